@@ -1,0 +1,1 @@
+"""tokenwire's server: gRPC API, scheduling engine, ONNX Runtime model runners."""

@@ -1,0 +1,1 @@
+"""Model loading and execution: ONNX Runtime runners, format adapters, model builders."""

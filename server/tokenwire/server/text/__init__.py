@@ -1,0 +1,1 @@
+"""Text handling: tokenizer, incremental detokenizer, stop strings, chat templates."""
