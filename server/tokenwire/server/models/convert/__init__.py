@@ -1,0 +1,19 @@
+"""Conversion of Llama-family GGUF files into ONNX Runtime GenAI-format model directories."""
+
+from tokenwire.server.models.convert.converter import ProgressCallback, convert_gguf
+from tokenwire.server.models.convert.gguf_source import GgufModel, UnsupportedModelError, read_gguf
+from tokenwire.server.models.convert.llama_graph import GraphOptions, build_llama_graph
+from tokenwire.server.models.convert.llama_model import LlamaConfig, LlamaLayerWeights, LlamaWeights
+
+__all__ = [
+    "GgufModel",
+    "GraphOptions",
+    "LlamaConfig",
+    "LlamaLayerWeights",
+    "LlamaWeights",
+    "ProgressCallback",
+    "UnsupportedModelError",
+    "build_llama_graph",
+    "convert_gguf",
+    "read_gguf",
+]

@@ -1,0 +1,81 @@
+"""GGUF file -> ONNX Runtime GenAI-format model directory."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from tokenwire.server.models.convert.genai_config import MODEL_FILENAME, TokenIds, write_genai_config
+from tokenwire.server.models.convert.gguf_source import read_gguf
+from tokenwire.server.models.convert.gguf_tokenizer import write_gguf_tokenizer_files
+from tokenwire.server.models.convert.llama_graph import (
+    ActivationType,
+    GraphOptions,
+    build_llama_graph,
+    save_model,
+)
+
+# Called with a short description of the stage that just started and the fraction of the whole
+# conversion done before it (0.0 to 1.0; 1.0 once finished).
+ProgressCallback = Callable[[str, float], None]
+
+CONVERSION_INFO_FILENAME = "conversion.json"
+
+# Rough share of conversion time per stage, so progress bars move evenly.
+_STAGES = (("read GGUF", 0.0), ("build graph", 0.3), ("write model", 0.6), ("write tokenizer", 0.9))
+
+
+def convert_gguf(
+    gguf_path: Path,
+    out_dir: Path,
+    *,
+    dtype: str = "float32",
+    progress: ProgressCallback | None = None,
+) -> Path:
+    """Convert a Llama-family GGUF file into `out_dir` and return `out_dir`.
+
+    `dtype` is the activation and KV-cache type: "float32" for CPU, "float16" for CUDA (whose
+    GroupQueryAttention needs half precision). Logits are float32 either way. Quantized weights
+    keep their GGUF codes and scales exactly.
+    """
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"dtype must be float32 or float16, not {dtype!r}")
+    activation: ActivationType = "float16" if dtype == "float16" else "float32"
+
+    def report(stage: int) -> None:
+        if progress is not None:
+            name, fraction = _STAGES[stage]
+            progress(name, fraction)
+
+    started = time.perf_counter()
+    report(0)
+    source = read_gguf(gguf_path)
+    report(1)
+    model = build_llama_graph(source.config, source.weights, GraphOptions(dtype=activation))
+    report(2)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_model(model, out_dir / MODEL_FILENAME, external_data=True)
+    del model
+    report(3)
+    vocab = source.vocabulary
+    write_gguf_tokenizer_files(out_dir, vocab, model_max_length=source.config.context_length)
+    eos = vocab.end_token_ids()
+    if not eos:
+        raise ValueError("the GGUF vocabulary names no end-of-sequence token")
+    bos = vocab.bos_token_id if vocab.bos_token_id is not None else eos[0]
+    pad = vocab.pad_token_id if vocab.pad_token_id is not None else eos[0]
+    write_genai_config(out_dir, source.config, TokenIds(bos=bos, eos=eos, pad=pad), dtype=dtype)
+    info = {
+        "source": gguf_path.name,
+        "model_name": source.name,
+        "architecture": source.architecture,
+        "dtype": dtype,
+        "gguf_tensor_types": source.tensor_types,
+        "seconds": round(time.perf_counter() - started, 2),
+    }
+    (out_dir / CONVERSION_INFO_FILENAME).write_text(json.dumps(info, indent=2))
+    if progress is not None:
+        progress("done", 1.0)
+    return out_dir

@@ -1,0 +1,181 @@
+"""A Hugging Face `tokenizers` tokenizer rebuilt from a GGUF file's vocabulary.
+
+GGUF stores byte-level BPE ("gpt2" tokenizer model) as the token strings, the merge list and a
+short name of the pre-tokenizer ("tokenizer.ggml.pre"), whose split rules live in llama.cpp's
+source rather than in the file. This module maps those names back to the pre-tokenizers the
+original tokenizer.json files use.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+
+# GGUF token types (llama.cpp's llama_token_type).
+TOKEN_NORMAL = 1
+TOKEN_UNKNOWN = 2
+TOKEN_CONTROL = 3
+TOKEN_USER_DEFINED = 4
+TOKEN_UNUSED = 5
+TOKEN_BYTE = 6
+
+# Split rules of the Llama 3 and Qwen 2 tokenizers; they differ only in how digits group.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# llama.cpp pre-tokenizer names, grouped by the rule they share.
+_GPT2_STYLE = {"default", "gpt2", "gpt-2", "mpt", "olmo", "jais"}
+# GPT-2's regex after splitting every digit on its own (StarCoder and SmolLM tokenizers).
+_DIGITS_THEN_GPT2 = {"smollm", "starcoder", "refact", "codeshell", "command-r", "exaone"}
+_LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pixtral"}
+_QWEN2_STYLE = {"qwen2"}
+
+
+class UnsupportedTokenizerError(ValueError):
+    """The GGUF vocabulary uses a tokenizer this module cannot rebuild exactly."""
+
+
+@dataclass(frozen=True)
+class GgufVocabulary:
+    model: str  # tokenizer.ggml.model: "gpt2" is byte-level BPE
+    pre: str  # tokenizer.ggml.pre
+    tokens: list[str]
+    token_types: list[int]
+    merges: list[str]  # "left right", in priority order
+    bos_token_id: int | None
+    eos_token_id: int | None
+    eot_token_id: int | None
+    pad_token_id: int | None
+    unknown_token_id: int | None
+    add_bos_token: bool
+    add_eos_token: bool
+    chat_template: str | None
+
+    def token(self, token_id: int | None) -> str | None:
+        if token_id is None or not 0 <= token_id < len(self.tokens):
+            return None
+        return self.tokens[token_id]
+
+    def type_of(self, token_id: int) -> int:
+        return self.token_types[token_id] if token_id < len(self.token_types) else TOKEN_NORMAL
+
+    def end_token_ids(self) -> list[int]:
+        """Every id that ends generation: the declared EOS and end-of-turn, then the usual markers."""
+        ids: list[int] = []
+        for candidate in (self.eos_token_id, self.eot_token_id):
+            if candidate is not None and candidate not in ids:
+                ids.append(candidate)
+        lookup = {token: i for i, token in enumerate(self.tokens) if self.type_of(i) == TOKEN_CONTROL}
+        for marker in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>"):
+            found = lookup.get(marker)
+            if found is not None and found not in ids:
+                ids.append(found)
+        return ids
+
+
+def pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level_with_gpt2_regex = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in _GPT2_STYLE:
+        return byte_level_with_gpt2_regex
+    if pre in _DIGITS_THEN_GPT2:
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level_with_gpt2_regex]
+        )
+    for names, pattern in ((_LLAMA3_STYLE, _LLAMA3_SPLIT), (_QWEN2_STYLE, _QWEN2_SPLIT)):
+        if pre in names:
+            return pre_tokenizers.Sequence(
+                [
+                    pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
+                    pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+                ]
+            )
+    raise UnsupportedTokenizerError(f"unknown GGUF pre-tokenizer {pre!r}")
+
+
+def build_tokenizer(vocab: GgufVocabulary) -> Tokenizer:
+    if vocab.model != "gpt2":
+        raise UnsupportedTokenizerError(f"tokenizer model {vocab.model!r} is not byte-level BPE")
+    ids = {token: i for i, token in enumerate(vocab.tokens)}
+    if len(ids) != len(vocab.tokens):
+        raise UnsupportedTokenizerError("GGUF vocabulary has duplicate tokens")
+    merges: list[tuple[str, str]] = []
+    for merge in vocab.merges:
+        left, sep, right = merge.partition(" ")
+        if not sep:
+            raise UnsupportedTokenizerError(f"malformed merge {merge!r}")
+        merges.append((left, right))
+    tokenizer = Tokenizer(models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False))
+    tokenizer.pre_tokenizer = pre_tokenizer_for(vocab.pre)
+    tokenizer.decoder = decoders.ByteLevel()
+
+    # Control tokens are matched in text before BPE runs (as chat-template markup must be) and
+    # are dropped by decode(skip_special_tokens=True); user-defined ones are matched but kept.
+    control = [
+        AddedToken(t, special=True, normalized=False)
+        for i, t in enumerate(vocab.tokens)
+        if vocab.type_of(i) == TOKEN_CONTROL
+    ]
+    user = [
+        AddedToken(t, special=False, normalized=False)
+        for i, t in enumerate(vocab.tokens)
+        if vocab.type_of(i) == TOKEN_USER_DEFINED
+    ]
+    tokenizer.add_special_tokens(control)
+    tokenizer.add_tokens(user)
+
+    bos = vocab.token(vocab.bos_token_id)
+    eos = vocab.token(vocab.eos_token_id)
+    single, pair, specials = "$A", "$A $B", []
+    if vocab.add_bos_token and bos is not None and vocab.bos_token_id is not None:
+        single, pair = f"{bos} {single}", f"{bos} $A {bos} $B"
+        specials.append((bos, vocab.bos_token_id))
+    if vocab.add_eos_token and eos is not None and vocab.eos_token_id is not None:
+        single, pair = f"{single} {eos}", f"{pair} {eos}"
+        specials.append((eos, vocab.eos_token_id))
+    if specials:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=specials
+        )
+    return tokenizer
+
+
+def write_gguf_tokenizer_files(out_dir: Path, vocab: GgufVocabulary, *, model_max_length: int) -> Tokenizer:
+    """tokenizer.json, tokenizer_config.json and special_tokens_map.json, as Hugging Face writes them."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer(vocab)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+
+    special = {
+        "bos_token": vocab.token(vocab.bos_token_id),
+        "eos_token": vocab.token(vocab.eos_token_id),
+        "pad_token": vocab.token(vocab.pad_token_id),
+        "unk_token": vocab.token(vocab.unknown_token_id),
+    }
+    present = {key: value for key, value in special.items() if value is not None}
+    control = [t for i, t in enumerate(vocab.tokens) if vocab.type_of(i) == TOKEN_CONTROL]
+    extra = [t for t in control if t not in present.values()]
+    config: dict[str, object] = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        **present,
+        "additional_special_tokens": extra,
+        "add_bos_token": vocab.add_bos_token,
+        "add_eos_token": vocab.add_eos_token,
+        "model_max_length": model_max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    if vocab.chat_template is not None:
+        config["chat_template"] = vocab.chat_template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+    (out_dir / "special_tokens_map.json").write_text(
+        json.dumps({**present, "additional_special_tokens": extra}, indent=2, ensure_ascii=False)
+    )
+    return tokenizer

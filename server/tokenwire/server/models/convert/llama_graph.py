@@ -1,0 +1,500 @@
+"""ONNX graph of a Llama-family decoder in ONNX Runtime GenAI's layout.
+
+Inputs `input_ids [batch, seq]`, `attention_mask [batch, total_seq]` and
+`past_key_values.N.key/value [batch, kv_heads, past_seq, head_size]`; outputs `logits
+[batch, seq, vocab]` (always float32) and `present.N.key/value`. There is no position_ids input:
+GroupQueryAttention reads each row's cached length from `seqlens_k = sum(mask) - 1` and applies
+the rotary embedding itself, which is what lets past and present share one preallocated buffer
+and lets rows of one decode batch sit at different lengths.
+
+Operators are ONNX Runtime's fused CPU/CUDA kernels where one exists: SimplifiedLayerNormalization
+and SkipSimplifiedLayerNormalization (RMSNorm, with the residual add folded in),
+GroupQueryAttention, MatMulNBits for block-quantized weights and GatherBlockQuantized for a
+quantized embedding table.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import onnx
+from numpy.typing import NDArray
+from onnx import TensorProto, helper, numpy_helper
+
+from tokenwire.server.models.convert.llama_model import (
+    LinearWeight,
+    LlamaConfig,
+    LlamaLayerWeights,
+    LlamaWeights,
+    linear_shape,
+)
+from tokenwire.server.models.convert.quantized import (
+    QuantizedMatrix,
+    block_sum_matrix,
+    concat_rows,
+    fold_offsets,
+)
+
+ActivationType = Literal["float32", "float16"]
+
+ONNX_OPSET = 21
+CONTRIB_DOMAIN = "com.microsoft"
+
+# MatMulNBits accuracy_level 4 quantizes activations to int8 per block and runs integer dot
+# products: the fastest CPU path, and what ONNX Runtime GenAI's builder uses for int4 on CPU.
+INT8_COMPUTE = 4
+
+
+@dataclass(frozen=True)
+class GraphOptions:
+    dtype: ActivationType = "float32"
+    accuracy_level: int = INT8_COMPUTE
+    # One MatMul for Q, K and V (GroupQueryAttention takes the packed result) and one for the
+    # gate and up projections: fewer, larger kernels, which matters most at batch 1.
+    fuse_qkv: bool = True
+    fuse_gate_up: bool = True
+    # How per-block weight offsets (Q4_1, K formats) reach the output: "folded" into extra
+    # quantized input columns of the same MatMulNBits (fast; float16-level precision), or
+    # "float": a float32 (block sums @ offsets) correction added after it (exact, slower).
+    offsets: Literal["folded", "float"] = "folded"
+
+
+def input_names(num_layers: int) -> list[str]:
+    names = ["input_ids", "attention_mask"]
+    for layer in range(num_layers):
+        names += [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
+    return names
+
+
+def output_names(num_layers: int) -> list[str]:
+    names = ["logits"]
+    for layer in range(num_layers):
+        names += [f"present.{layer}.key", f"present.{layer}.value"]
+    return names
+
+
+def rotary_caches(
+    config: LlamaConfig, freq_factors: NDArray[np.float32] | None
+) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
+    """cos/sin tables [context_length, head_size / 2] for rotate-half rotary embeddings."""
+    exponents = np.arange(0, config.head_size, 2, dtype=np.float64) / config.head_size
+    inv_freq = 1.0 / (config.rope_theta**exponents)
+    if freq_factors is not None:
+        inv_freq = inv_freq / freq_factors.astype(np.float64)
+    angles = np.outer(np.arange(config.context_length, dtype=np.float64), inv_freq)
+    return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
+
+
+@dataclass
+class _Graph:
+    """Nodes and initializers under construction, with unique names."""
+
+    float_type: int
+    nodes: list[onnx.NodeProto] = field(default_factory=list)
+    initializers: list[TensorProto] = field(default_factory=list)
+    _constants: dict[tuple[str, bytes], str] = field(default_factory=dict)
+
+    def node(
+        self,
+        op: str,
+        inputs: list[str],
+        name: str,
+        *,
+        outputs: int | list[str] = 1,
+        domain: str = "",
+        **attrs: Any,
+    ) -> list[str]:
+        """Add a node; `outputs` is a count of auto-named outputs or the list of names ("" = unused)."""
+        names = [f"{name}/output_{i}" for i in range(outputs)] if isinstance(outputs, int) else outputs
+        self.nodes.append(helper.make_node(op, inputs, names, name=name, domain=domain or None, **attrs))
+        return names
+
+    def one(self, op: str, inputs: list[str], name: str, *, domain: str = "", **attrs: Any) -> str:
+        return self.node(op, inputs, name, domain=domain, **attrs)[0]
+
+    def initializer(self, array: NDArray[np.generic], name: str) -> str:
+        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        return name
+
+    def float_initializer(self, array: NDArray[np.floating], name: str) -> str:
+        dtype = np.float16 if self.float_type == TensorProto.FLOAT16 else np.float32
+        return self.initializer(array.astype(dtype), name)
+
+    def constant(self, array: NDArray[np.generic]) -> str:
+        """A small shared initializer, created once per distinct value."""
+        key = (str(array.dtype) + str(array.shape), array.tobytes())
+        if key not in self._constants:
+            name = f"/constants/{array.dtype}/{len(self._constants)}"
+            self._constants[key] = self.initializer(array, name)
+        return self._constants[key]
+
+
+class _LlamaGraphBuilder:
+    def __init__(self, config: LlamaConfig, weights: LlamaWeights, options: GraphOptions) -> None:
+        self.config = config
+        self.weights = weights
+        self.options = options
+        self.float_type = TensorProto.FLOAT16 if options.dtype == "float16" else TensorProto.FLOAT
+        self.g = _Graph(self.float_type)
+        # Per-block sums of an activation, keyed by (activation name, block size): shared by
+        # every quantized projection of that activation that needs an offset correction.
+        self._block_sums: dict[tuple[str, int], str] = {}
+        # Inputs extended with their block sums for folded offsets, shared the same way.
+        self._padded_sums: dict[tuple[str, int, int], str] = {}
+        self._augmented: dict[tuple[str, int, int, int], str] = {}
+
+    # --- linear layers ---------------------------------------------------------------------
+
+    def linear(self, x: str, weight: LinearWeight, name: str) -> str:
+        if isinstance(weight, QuantizedMatrix):
+            return self.quantized_linear(x, weight, name)
+        w = self.g.float_initializer(np.ascontiguousarray(weight.T), f"{name}.weight")
+        return self.g.one("MatMul", [x, w], f"{name}/MatMul")
+
+    def quantized_linear(self, x: str, weight: QuantizedMatrix, name: str) -> str:
+        if weight.offsets is not None and self.options.offsets == "folded":
+            folded = fold_offsets(weight)
+            x = self.with_block_sums(x, weight.cols, weight.block_size, folded.sum_width, folded.levels)
+            weight = folded.matrix
+        b = self.g.initializer(weight.packed_codes(), f"{name}.weight_Q{weight.bits}G{weight.block_size}")
+        scales = self.g.float_initializer(weight.scales.reshape(-1), f"{name}.weight_scales")
+        y = self.matmul_nbits(x, b, scales, weight, name)
+        if weight.offsets is None:
+            return y
+        return self.add_offset_correction(x, y, weight.offsets, weight.block_size, name)
+
+    def with_block_sums(self, x: str, cols: int, block_size: int, sum_width: int, levels: int) -> str:
+        """Concat(x, s, ..., s): x followed by `levels` copies of its padded per-block sums."""
+        key = (x, block_size, sum_width, levels)
+        if key not in self._augmented:
+            sums_key = (x, block_size, sum_width)
+            if sums_key not in self._padded_sums:
+                indicator = block_sum_matrix(cols, block_size, sum_width)
+                name = f"{x}/block_sums_{block_size}"
+                b = self.g.initializer(indicator.packed_codes(), f"{name}.weight_Q4G{block_size}")
+                scales = self.g.float_initializer(indicator.scales.reshape(-1), f"{name}.weight_scales")
+                self._padded_sums[sums_key] = self.matmul_nbits(x, b, scales, indicator, name)
+            sums = self._padded_sums[sums_key]
+            self._augmented[key] = self.g.one(
+                "Concat", [x] + [sums] * levels, f"{x}/with_block_sums_{levels}", axis=-1
+            )
+        return self._augmented[key]
+
+    def matmul_nbits(self, x: str, b: str, scales: str, weight: QuantizedMatrix, name: str) -> str:
+        return self.g.one(
+            "MatMulNBits",
+            [x, b, scales],
+            f"{name}/MatMulNBits",
+            domain=CONTRIB_DOMAIN,
+            K=weight.cols,
+            N=weight.rows,
+            bits=weight.bits,
+            block_size=weight.block_size,
+            accuracy_level=self.options.accuracy_level,
+        )
+
+    def add_offset_correction(
+        self, x: str, y: str, offsets: NDArray[np.float32], block_size: int, name: str
+    ) -> str:
+        """y + (block sums of x) @ offsets.T: the part of each weight the codes don't carry."""
+        sums = self.block_sums(x, offsets.shape[1] * block_size, block_size)
+        offsets_t = self.g.float_initializer(np.ascontiguousarray(offsets.T), f"{name}.weight_offsets")
+        correction = self.g.one("MatMul", [sums, offsets_t], f"{name}/offsets/MatMul")
+        return self.g.one("Add", [y, correction], f"{name}/offsets/Add")
+
+    def block_sums(self, x: str, cols: int, block_size: int) -> str:
+        key = (x, block_size)
+        if key not in self._block_sums:
+            # A 0/1 [cols, blocks] matrix: one small MatMul instead of Reshape + ReduceSum.
+            indicator = np.repeat(np.eye(cols // block_size, dtype=np.float32), block_size, axis=0)
+            dtype = np.float16 if self.float_type == TensorProto.FLOAT16 else np.float32
+            ones = self.g.constant(indicator.astype(dtype))
+            self._block_sums[key] = self.g.one("MatMul", [x, ones], f"{x}/block_sums/MatMul")
+        return self._block_sums[key]
+
+    def fused_linear(self, x: str, weights: list[LinearWeight], name: str, enabled: bool) -> list[str] | str:
+        """One MatMul over row-stacked weights when their formats allow, else one per weight."""
+        quantized = [w for w in weights if isinstance(w, QuantizedMatrix)]
+        if enabled and len(quantized) == len(weights) and len({w.layout for w in quantized}) == 1:
+            return self.linear(x, concat_rows(quantized), name)
+        if enabled and not quantized:
+            stacked = np.concatenate([np.asarray(w) for w in weights])
+            return self.linear(x, stacked, name)
+        return [self.linear(x, w, f"{name}.{i}") for i, w in enumerate(weights)]
+
+    # --- model parts -----------------------------------------------------------------------
+
+    def embedding(self, input_ids: str) -> str:
+        table = self.weights.embed_tokens
+        name = "model.embed_tokens"
+        if not isinstance(table, QuantizedMatrix):
+            w = self.g.float_initializer(table, f"{name}.weight")
+            return self.g.one("Gather", [w, input_ids], f"/{name}/Gather")
+        rows, cols = table.rows, table.cols
+        packed, scales = self.quantized_table(table, name)
+        flat = self.g.one(
+            "Reshape",
+            [packed, self.g.constant(np.array([rows, cols * table.bits // 8], np.int64))],
+            f"/{name}/Reshape",
+        )
+        scales_2d = self.g.one(
+            "Reshape",
+            [scales, self.g.constant(np.array([rows, table.blocks_per_row], np.int64))],
+            f"/{name}/Reshape_scales",
+        )
+        embeds = self.g.one(
+            "GatherBlockQuantized",
+            [flat, input_ids, scales_2d],
+            f"/{name}/GatherBlockQuantized",
+            domain=CONTRIB_DOMAIN,
+            bits=table.bits,
+            block_size=table.block_size,
+            gather_axis=0,
+            quantize_axis=1,
+        )
+        if table.offsets is None:
+            return embeds
+        # GatherBlockQuantized takes only integer zero points: add the float offsets per block.
+        offsets = self.g.one(
+            "Gather", [self.offsets_table(table, name), input_ids], f"/{name}/offsets/Gather"
+        )
+        blocked_shape = self.g.constant(np.array([0, 0, table.blocks_per_row, table.block_size], np.int64))
+        blocked = self.g.one("Reshape", [embeds, blocked_shape], f"/{name}/offsets/Reshape")
+        widened = self.g.one(
+            "Unsqueeze", [offsets, self.g.constant(np.array([-1], np.int64))], f"/{name}/offsets/Unsqueeze"
+        )
+        shifted = self.g.one("Add", [blocked, widened], f"/{name}/offsets/Add")
+        hidden_shape = self.g.constant(np.array([0, 0, cols], np.int64))
+        return self.g.one("Reshape", [shifted, hidden_shape], f"/{name}/offsets/Reshape_back")
+
+    def quantized_table(self, table: QuantizedMatrix, name: str) -> tuple[str, str]:
+        """Initializers of a quantized [vocab, hidden] table, shared by the embedding and a tied head."""
+        packed_name = f"{name}.weight_Q{table.bits}G{table.block_size}"
+        if not any(t.name == packed_name for t in self.g.initializers):
+            self.g.initializer(table.packed_codes(), packed_name)
+            self.g.float_initializer(table.scales.reshape(-1), f"{name}.weight_scales")
+        return packed_name, f"{name}.weight_scales"
+
+    def offsets_table(self, table: QuantizedMatrix, name: str) -> str:
+        offsets_name = f"{name}.weight_offsets_per_row"
+        if not any(t.name == offsets_name for t in self.g.initializers):
+            self.g.float_initializer(table.offsets_or_zeros(), offsets_name)
+        return offsets_name
+
+    def lm_head(self, x: str) -> str:
+        head = self.weights.lm_head
+        if head is not None:
+            return self.linear(x, head, "lm_head")
+        table = self.weights.embed_tokens
+        if not isinstance(table, QuantizedMatrix):
+            # Transposing the shared table in the graph keeps one copy on disk; ONNX Runtime
+            # folds the Transpose once at load time.
+            transposed = self.g.one(
+                "Transpose", ["model.embed_tokens.weight"], "/lm_head/Transpose", perm=[1, 0]
+            )
+            return self.g.one("MatMul", [x, transposed], "/lm_head/MatMul")
+        if table.offsets is not None:
+            # The head needs the offsets inside its MatMulNBits; the embedding adds them per row.
+            return self.quantized_linear(x, table, "lm_head")
+        packed, scales = self.quantized_table(table, "model.embed_tokens")
+        return self.matmul_nbits(x, packed, scales, table, "/lm_head")
+
+    def attention(self, layer_id: int, layer: LlamaLayerWeights, x: str, mask_info: tuple[str, str]) -> str:
+        cfg = self.config
+        name = f"model.layers.{layer_id}.attn"
+        projections = self.fused_linear(
+            x, [layer.q_proj, layer.k_proj, layer.v_proj], f"{name}.qkv_proj", self.options.fuse_qkv
+        )
+        q, k, v = (projections, "", "") if isinstance(projections, str) else projections
+        seqlens_k, total_seq_len = mask_info
+        attn, _, _ = self.g.node(
+            "GroupQueryAttention",
+            [
+                q,
+                k,
+                v,
+                f"past_key_values.{layer_id}.key",
+                f"past_key_values.{layer_id}.value",
+                seqlens_k,
+                total_seq_len,
+                "cos_cache",
+                "sin_cache",
+            ],
+            f"/{name}/GroupQueryAttention",
+            outputs=[
+                f"/{name}/GroupQueryAttention/output_0",
+                f"present.{layer_id}.key",
+                f"present.{layer_id}.value",
+            ],
+            domain=CONTRIB_DOMAIN,
+            num_heads=cfg.num_heads,
+            kv_num_heads=cfg.num_kv_heads,
+            scale=1.0 / float(np.sqrt(cfg.head_size)),
+            do_rotary=1,
+            rotary_interleaved=0,
+            local_window_size=-1,
+        )
+        return self.linear(attn, layer.o_proj, f"{name}.o_proj")
+
+    def mlp(self, layer_id: int, layer: LlamaLayerWeights, x: str) -> str:
+        name = f"model.layers.{layer_id}.mlp"
+        projections = self.fused_linear(
+            x, [layer.gate_proj, layer.up_proj], f"{name}.gate_up_proj", self.options.fuse_gate_up
+        )
+        if isinstance(projections, str):
+            gate, up = self.g.node(
+                "Split",
+                [projections, self.g.constant(np.array([self.config.intermediate_size] * 2, np.int64))],
+                f"/{name}/Split",
+                outputs=2,
+                axis=-1,
+            )
+        else:
+            gate, up = projections
+        sigmoid = self.g.one("Sigmoid", [gate], f"/{name}/act/Sigmoid")
+        silu = self.g.one("Mul", [gate, sigmoid], f"/{name}/act/Mul")
+        hidden = self.g.one("Mul", [silu, up], f"/{name}/Mul")
+        return self.linear(hidden, layer.down_proj, f"{name}.down_proj")
+
+    def rms_norm(self, x: str, gamma: NDArray[np.float32], name: str) -> str:
+        g = self.g.float_initializer(gamma, f"{name}.weight")
+        return self.g.one(
+            "SimplifiedLayerNormalization",
+            [x, g],
+            f"/{name}/SimplifiedLayerNorm",
+            axis=-1,
+            epsilon=self.config.rms_norm_eps,
+        )
+
+    def skip_rms_norm(self, x: str, residual: str, gamma: NDArray[np.float32], name: str) -> tuple[str, str]:
+        """RMSNorm(x + residual) and the sum itself, in one kernel."""
+        g = self.g.float_initializer(gamma, f"{name}.weight")
+        node = f"/{name}/SkipLayerNorm"
+        out, _, _, total = self.g.node(
+            "SkipSimplifiedLayerNormalization",
+            [x, residual, g],
+            node,
+            outputs=[f"{node}/output_0", "", "", f"{node}/output_3"],
+            domain=CONTRIB_DOMAIN,
+            epsilon=self.config.rms_norm_eps,
+        )
+        return out, total
+
+    def mask_info(self) -> tuple[str, str]:
+        """seqlens_k (each row's total length - 1, int32) and total_sequence_length (int32 scalar)."""
+        name = "/model/attn_mask_reformat"
+        one = self.g.constant(np.array([1], np.int64))
+        total = self.g.one("ReduceSum", ["attention_mask", one], f"{name}/ReduceSum", keepdims=0)
+        last = self.g.one("Sub", [total, one], f"{name}/Sub")
+        seqlens_k = self.g.one("Cast", [last], f"{name}/Sub/Cast", to=TensorProto.INT32)
+        shape = self.g.one("Shape", ["attention_mask"], f"{name}/Shape")
+        width = self.g.one(
+            "Gather", [shape, self.g.constant(np.array(1, np.int64))], f"{name}/Gather", axis=0
+        )
+        total_seq_len = self.g.one("Cast", [width], f"{name}/Gather/Cast", to=TensorProto.INT32)
+        return seqlens_k, total_seq_len
+
+    def build(self) -> onnx.ModelProto:
+        cfg, w = self.config, self.weights
+        if len(w.layers) != cfg.num_layers:
+            raise ValueError(f"config has {cfg.num_layers} layers, weights have {len(w.layers)}")
+        self.check_shapes()
+        cos, sin = rotary_caches(cfg, w.rope_freq_factors)
+        self.g.float_initializer(cos, "cos_cache")
+        self.g.float_initializer(sin, "sin_cache")
+        mask_info = self.mask_info()
+
+        residual = self.embedding("input_ids")
+        x = self.rms_norm(residual, w.layers[0].attn_norm, "model.layers.0.input_layernorm")
+        for i, layer in enumerate(w.layers):
+            attn = self.attention(i, layer, x, mask_info)
+            x, residual = self.skip_rms_norm(
+                attn, residual, layer.ffn_norm, f"model.layers.{i}.post_attention_layernorm"
+            )
+            mlp = self.mlp(i, layer, x)
+            if i + 1 < len(w.layers):
+                gamma, norm_name = w.layers[i + 1].attn_norm, f"model.layers.{i + 1}.input_layernorm"
+            else:
+                gamma, norm_name = w.final_norm, "model.norm"
+            x, residual = self.skip_rms_norm(mlp, residual, gamma, norm_name)
+        logits = self.lm_head(x)
+        if self.float_type != TensorProto.FLOAT:
+            logits = self.g.one("Cast", [logits], "/lm_head/Cast", to=TensorProto.FLOAT)
+        self.g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/logits/Identity"))
+        return self.model()
+
+    def check_shapes(self) -> None:
+        cfg, w = self.config, self.weights
+        h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+        expected = {
+            "q_proj": (q, h),
+            "k_proj": (kv, h),
+            "v_proj": (kv, h),
+            "o_proj": (h, q),
+            "gate_proj": (i, h),
+            "up_proj": (i, h),
+            "down_proj": (h, i),
+        }
+        for layer_id, layer in enumerate(w.layers):
+            for attr, shape in expected.items():
+                got = linear_shape(getattr(layer, attr))
+                if got != shape:
+                    raise ValueError(f"layer {layer_id} {attr} has shape {got}, expected {shape}")
+        if linear_shape(w.embed_tokens) != (cfg.vocab_size, h):
+            raise ValueError(f"embedding has shape {linear_shape(w.embed_tokens)}")
+        if w.lm_head is not None and linear_shape(w.lm_head) != (cfg.vocab_size, h):
+            raise ValueError(f"lm_head has shape {linear_shape(w.lm_head)}")
+
+    def model(self) -> onnx.ModelProto:
+        cfg = self.config
+        ft = self.float_type
+        kv_in: list[str | int] = ["batch_size", cfg.num_kv_heads, "past_sequence_length", cfg.head_size]
+        kv_out: list[str | int] = ["batch_size", cfg.num_kv_heads, "total_sequence_length", cfg.head_size]
+        inputs = [
+            helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
+            helper.make_tensor_value_info(
+                "attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]
+            ),
+        ]
+        outputs = [
+            helper.make_tensor_value_info(
+                "logits", TensorProto.FLOAT, ["batch_size", "sequence_length", cfg.vocab_size]
+            )
+        ]
+        for layer in range(cfg.num_layers):
+            for kind in ("key", "value"):
+                inputs.append(helper.make_tensor_value_info(f"past_key_values.{layer}.{kind}", ft, kv_in))
+                outputs.append(helper.make_tensor_value_info(f"present.{layer}.{kind}", ft, kv_out))
+        graph = helper.make_graph(self.g.nodes, "llama", inputs, outputs, self.g.initializers)
+        model = helper.make_model(
+            graph,
+            opset_imports=[helper.make_opsetid("", ONNX_OPSET), helper.make_opsetid(CONTRIB_DOMAIN, 1)],
+            producer_name="tokenwire",
+        )
+        model.ir_version = 10
+        return model
+
+
+def build_llama_graph(
+    config: LlamaConfig, weights: LlamaWeights, options: GraphOptions | None = None
+) -> onnx.ModelProto:
+    """The decoder graph for `weights`, with every initializer embedded in the returned model."""
+    return _LlamaGraphBuilder(config, weights, options or GraphOptions()).build()
+
+
+def save_model(model: onnx.ModelProto, path: Path, *, external_data: bool) -> None:
+    """Write the model; with `external_data`, weights go to `<name>.data` beside it (needed past 2 GB)."""
+    if external_data:
+        onnx.save_model(
+            model,
+            str(path),
+            save_as_external_data=True,
+            all_tensors_to_one_file=True,
+            location=path.name + ".data",
+            size_threshold=1024,
+        )
+    else:
+        onnx.save_model(model, str(path))
