@@ -496,5 +496,7 @@ def save_model(model: onnx.ModelProto, path: Path, *, external_data: bool) -> No
             location=path.name + ".data",
             size_threshold=1024,
         )
+        # onnx creates the data file owner-only; give it the same permissions as model.onnx.
+        path.with_name(path.name + ".data").chmod(path.stat().st_mode & 0o777)
     else:
         onnx.save_model(model, str(path))
