@@ -1,0 +1,70 @@
+"""Fixtures for the model builders and the GGUF converter: tiny models, synthetic and real GGUFs."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from gguf import GGMLQuantizationType as Q
+from llama_reference import ReferenceModel, reference_from_weights
+from synthetic_gguf import MIXED_FORMATS, SyntheticGguf, write_synthetic_gguf
+
+from tokenwire.server.models.pull import DEFAULT_MODEL, HOME_ENV, fetch_gguf, pull_model
+from tokenwire.server.models.tiny_llama import create_tiny_llama, tiny_llama_config, tiny_llama_weights
+
+PASSAGE_PATH = Path(__file__).parent / "data" / "perplexity_passage.txt"
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_reference() -> ReferenceModel:
+    config = tiny_llama_config()
+    return reference_from_weights(
+        tiny_llama_weights(config, seed=0),
+        heads=config.num_heads,
+        kv_heads=config.num_kv_heads,
+        theta=config.rope_theta,
+        eps=config.rms_norm_eps,
+    )
+
+
+@pytest.fixture(scope="session")
+def mixed_gguf(tmp_path_factory: pytest.TempPathFactory) -> SyntheticGguf:
+    """Every repackable format plus float16 and a float fallback; output tied to a Q8_0 embedding."""
+    return write_synthetic_gguf(tmp_path_factory.mktemp("gguf") / "mixed.gguf", formats=MIXED_FORMATS)
+
+
+@pytest.fixture(scope="session")
+def q4_1_gguf(tmp_path_factory: pytest.TempPathFactory) -> SyntheticGguf:
+    """All matrices Q4_1 (offsets everywhere, fused projections), including the embedding; Q6_K head."""
+    formats = {key: (Q.Q4_1, Q.Q4_1) for key in MIXED_FORMATS}
+    return write_synthetic_gguf(
+        tmp_path_factory.mktemp("gguf") / "q4_1.gguf", formats=formats, embedding=Q.Q4_1, head=Q.Q6_K, seed=1
+    )
+
+
+@pytest.fixture(scope="session")
+def tokenwire_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Where the real model is cached: $TOKENWIRE_HOME if set, else a directory for this session."""
+    configured = os.environ.get(HOME_ENV)
+    return Path(configured) if configured else tmp_path_factory.mktemp("tokenwire-home")
+
+
+@pytest.fixture(scope="session")
+def default_gguf(tokenwire_home: Path) -> Path:
+    return fetch_gguf(DEFAULT_MODEL, home=tokenwire_home, progress=False)
+
+
+@pytest.fixture(scope="session")
+def default_model_dir(tokenwire_home: Path, default_gguf: Path) -> Path:
+    return pull_model(DEFAULT_MODEL, home=tokenwire_home, progress=False)
+
+
+@pytest.fixture(scope="session")
+def passage() -> str:
+    return PASSAGE_PATH.read_text()
