@@ -13,7 +13,18 @@ from synthetic_gguf import MIXED_FORMATS, SyntheticGguf, write_synthetic_gguf
 from tokenwire.server.models.pull import DEFAULT_MODEL, HOME_ENV, fetch_gguf, pull_model
 from tokenwire.server.models.tiny_llama import create_tiny_llama, tiny_llama_config, tiny_llama_weights
 
-PASSAGE_PATH = Path(__file__).parent / "data" / "perplexity_passage.txt"
+HERE = Path(__file__).parent
+PASSAGE_PATH = HERE / "data" / "perplexity_passage.txt"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Slow tests here need the real model (a ~100 MB download): run them only when `-m` names them."""
+    if "slow" in (config.option.markexpr or ""):
+        return
+    skip = pytest.mark.skip(reason="needs the real model; run with -m slow")
+    for item in items:
+        if item.get_closest_marker("slow") and HERE in item.path.parents:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

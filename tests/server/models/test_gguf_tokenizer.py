@@ -1,0 +1,139 @@
+"""tokenizer.json rebuilt from a GGUF vocabulary tokenizes like the original byte-level BPE."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import cache
+from pathlib import Path
+
+import pytest
+from reference_bpe import ReferenceBpe
+from synthetic_gguf import tokenizer_vocabulary
+from tokenizers import Tokenizer
+
+from tokenwire.server.models.convert import read_gguf
+from tokenwire.server.models.convert.gguf_tokenizer import (
+    TOKEN_CONTROL,
+    GgufVocabulary,
+    UnsupportedTokenizerError,
+    build_tokenizer,
+    pre_tokenizer_for,
+)
+from tokenwire.server.models.tiny_tokenizer import (
+    END_OF_TEXT,
+    TURN_END,
+    TURN_START,
+    build_byte_level_tokenizer,
+)
+
+SAMPLES = [
+    "Hello world",
+    "The year 2024 had 365 days; pi is about 3.14159!",
+    "  leading and trailing spaces  ",
+    "tabs\tand\nnewlines\r\n\n   indented   \n",
+    "Déjà vu, naïve café, 東京, Ünïcödé and emoji 😀🚀",
+    "don't you'll we've I'm they'd 're 'S",
+    "<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n",
+    "before<|endoftext|>after <|im_end|>",
+    "x = [1, 22, 333]  # comment\n\tdef f():\n\t\treturn 4242",
+    "١٢٣ Arabic-Indic digits, Ⅻ and ½",
+    "     ",
+    "\n\n\n",
+    "",
+    "a",
+    "mixed\u3000ideographic space",
+]
+
+
+@cache
+def tiny_vocabulary(pre: str) -> GgufVocabulary:
+    tokens, merges, types = tokenizer_vocabulary(build_byte_level_tokenizer(512))
+    return GgufVocabulary(
+        model="gpt2",
+        pre=pre,
+        tokens=tokens,
+        token_types=types,
+        merges=merges,
+        bos_token_id=tokens.index(TURN_START),
+        eos_token_id=tokens.index(TURN_END),
+        eot_token_id=None,
+        pad_token_id=tokens.index(END_OF_TEXT),
+        unknown_token_id=None,
+        add_bos_token=False,
+        add_eos_token=False,
+        chat_template=None,
+    )
+
+
+@cache
+def tiny_tokenizer(pre: str) -> Tokenizer:
+    return build_tokenizer(tiny_vocabulary(pre))
+
+
+def reference_for(vocab: GgufVocabulary) -> ReferenceBpe:
+    control = [t for i, t in enumerate(vocab.tokens) if vocab.type_of(i) == TOKEN_CONTROL]
+    return ReferenceBpe(vocab.tokens, vocab.merges, control, split_digits=vocab.pre == "smollm")
+
+
+@pytest.mark.parametrize("pre", ["gpt2", "smollm"])
+@pytest.mark.parametrize("text", SAMPLES)
+def test_matches_reference_bpe(pre: str, text: str) -> None:
+    assert tiny_tokenizer(pre).encode(text).ids == reference_for(tiny_vocabulary(pre)).encode(text)
+
+
+@pytest.mark.parametrize("text", SAMPLES)
+def test_round_trips_text(text: str) -> None:
+    tokenizer = tiny_tokenizer("smollm")
+    ids = tokenizer.encode(text).ids
+    assert tokenizer.decode(ids, skip_special_tokens=False) == text
+
+
+def test_control_tokens_are_single_ids_and_skippable() -> None:
+    vocab = tiny_vocabulary("gpt2")
+    tokenizer = build_tokenizer(vocab)
+    ids = tokenizer.encode("<|im_start|>hi<|im_end|>").ids
+    assert ids[0] == vocab.tokens.index(TURN_START)
+    assert ids[-1] == vocab.tokens.index(TURN_END)
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "hi"
+
+
+def test_smollm_splits_every_digit_and_gpt2_does_not() -> None:
+    digits = [piece for piece, _ in pre_tokenizer_for("smollm").pre_tokenize_str("year 2024")]
+    assert digits[-4:] == ["2", "0", "2", "4"]
+    grouped = [piece for piece, _ in pre_tokenizer_for("gpt2").pre_tokenize_str("year 2024")]
+    assert grouped[-1] == "Ġ2024"
+    llama3 = [piece for piece, _ in pre_tokenizer_for("llama-bpe").pre_tokenize_str("12345")]
+    assert llama3 == ["123", "45"]
+
+
+def test_bos_is_added_when_the_gguf_asks_for_it() -> None:
+    vocab = replace(tiny_vocabulary("gpt2"), add_bos_token=True)
+    ids = build_tokenizer(vocab).encode("hello").ids
+    assert ids[0] == vocab.bos_token_id
+    assert build_tokenizer(vocab).encode("hello", add_special_tokens=False).ids[0] != vocab.bos_token_id
+
+
+def test_end_token_ids_lead_with_the_declared_eos() -> None:
+    vocab = tiny_vocabulary("gpt2")
+    assert vocab.end_token_ids() == [vocab.tokens.index(TURN_END), vocab.tokens.index(END_OF_TEXT)]
+
+
+def test_unknown_tokenizers_are_refused() -> None:
+    with pytest.raises(UnsupportedTokenizerError, match="pre-tokenizer"):
+        build_tokenizer(tiny_vocabulary("some-future-model"))
+    with pytest.raises(UnsupportedTokenizerError, match="byte-level"):
+        build_tokenizer(replace(tiny_vocabulary("gpt2"), model="llama"))
+
+
+@pytest.mark.slow
+def test_default_model_vocabulary_matches_reference_bpe(default_gguf: Path, passage: str) -> None:
+    vocab = read_gguf(default_gguf).vocabulary
+    assert vocab.pre == "smollm"
+    tokenizer = build_tokenizer(vocab)
+    reference = reference_for(vocab)
+    for text in [*SAMPLES, passage]:
+        ids = tokenizer.encode(text).ids
+        assert ids == reference.encode(text), text
+        assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    # Common words are single tokens in a trained vocabulary: a broken merge list would split them.
+    assert len(tokenizer.encode(" the capital of France").ids) == 4

