@@ -8,9 +8,12 @@ which GGUF files' Q/K rows are permuted for), grouped-query causal attention, Sw
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from pathlib import Path
+from typing import Any, Literal
 
+import gguf
 import numpy as np
+from gguf.quants import dequantize
 from numpy.typing import NDArray
 
 from tokenwire.server.models.convert.llama_model import LlamaWeights, dequantized
@@ -81,6 +84,44 @@ def reference_from_weights(
     )
 
 
+def reference_from_gguf(path: Path) -> ReferenceModel:
+    """The model in a Llama GGUF file, read with the gguf package alone (weights in the file's row order)."""
+    reader = gguf.GGUFReader(path)
+    tensors = {}
+    for tensor in reader.tensors:
+        values = dequantize(np.asarray(tensor.data), tensor.tensor_type).astype(np.float32)
+        tensors[tensor.name] = values.reshape([int(n) for n in reversed(tensor.shape)])
+
+    def field(key: str) -> Any:
+        return reader.fields[key].contents()
+
+    layers = [
+        ReferenceLayer(
+            attn_norm=tensors[f"blk.{i}.attn_norm.weight"],
+            q=tensors[f"blk.{i}.attn_q.weight"],
+            k=tensors[f"blk.{i}.attn_k.weight"],
+            v=tensors[f"blk.{i}.attn_v.weight"],
+            o=tensors[f"blk.{i}.attn_output.weight"],
+            ffn_norm=tensors[f"blk.{i}.ffn_norm.weight"],
+            gate=tensors[f"blk.{i}.ffn_gate.weight"],
+            up=tensors[f"blk.{i}.ffn_up.weight"],
+            down=tensors[f"blk.{i}.ffn_down.weight"],
+        )
+        for i in range(int(field("llama.block_count")))
+    ]
+    return ReferenceModel(
+        embed=tensors["token_embd.weight"],
+        layers=layers,
+        final_norm=tensors["output_norm.weight"],
+        head=tensors.get("output.weight", tensors["token_embd.weight"]),
+        num_heads=int(field("llama.attention.head_count")),
+        num_kv_heads=int(field("llama.attention.head_count_kv")),
+        rope_theta=float(field("llama.rope.freq_base")),
+        rms_norm_eps=float(field("llama.attention.layer_norm_rms_epsilon")),
+        rope_style="interleaved",
+    )
+
+
 def rms_norm(x: Array, gamma: Array, eps: float) -> Array:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * gamma
 
@@ -114,7 +155,7 @@ def forward(model: ReferenceModel, token_ids: list[int]) -> Array:
     group = model.num_heads // model.num_kv_heads
     positions = np.arange(seq, dtype=np.float64)
     causal = np.triu(np.full((seq, seq), -np.inf), k=1)
-    x = model.embed[np.asarray(token_ids)]
+    x = model.embed[np.asarray(token_ids)].astype(np.float64)
     for layer in model.layers:
         h = rms_norm(x, layer.attn_norm, model.rms_norm_eps)
         q = (h @ layer.q.T).reshape(seq, model.num_heads, head_dim)
