@@ -1,0 +1,55 @@
+"""tokenwire's client library: typed sync and asyncio clients for the tokenwire gRPC service.
+
+from tokenwire.client import Client, GenerateOptions, Stopping
+with Client("localhost:50051") as client:
+    print(client.generate("Hello", GenerateOptions(stopping=Stopping(max_new_tokens=32))).text)
+"""
+
+from tokenwire.client.aio import AsyncClient, MultiplexedStream, collect
+from tokenwire.client.channel import Tls, service_config
+from tokenwire.client.errors import FieldViolation, TokenwireError
+from tokenwire.client.sync import Client, SyncStream
+from tokenwire.client.types import (
+    ChatMessage,
+    Chunk,
+    Completed,
+    Failed,
+    FinishReason,
+    GenerateOptions,
+    Generation,
+    ModelDescription,
+    Queued,
+    Sampling,
+    Started,
+    Stopping,
+    StreamEvent,
+    Timing,
+    TokenLogprob,
+)
+
+__all__ = [
+    "AsyncClient",
+    "ChatMessage",
+    "Chunk",
+    "Client",
+    "Completed",
+    "Failed",
+    "FieldViolation",
+    "FinishReason",
+    "GenerateOptions",
+    "Generation",
+    "ModelDescription",
+    "MultiplexedStream",
+    "Queued",
+    "Sampling",
+    "Started",
+    "Stopping",
+    "StreamEvent",
+    "SyncStream",
+    "Timing",
+    "Tls",
+    "TokenLogprob",
+    "TokenwireError",
+    "collect",
+    "service_config",
+]

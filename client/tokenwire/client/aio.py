@@ -1,0 +1,183 @@
+"""The asyncio client."""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from types import TracebackType
+from typing import Any
+
+import grpc
+
+from tokenwire.client import messages
+from tokenwire.client.channel import Tls, aio_channel, auth_metadata
+from tokenwire.client.errors import TokenwireError
+from tokenwire.client.messages import Prompt
+from tokenwire.client.types import (
+    Chunk,
+    Completed,
+    Failed,
+    GenerateOptions,
+    Generation,
+    ModelDescription,
+    StreamEvent,
+)
+from tokenwire.v1 import inference_service_pb2 as pb
+from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
+
+_DEFAULT_OPTIONS = GenerateOptions()
+
+
+class AsyncClient:
+    """Talks to a tokenwire server from asyncio code.
+
+    `deadline` arguments are gRPC deadlines in seconds for the whole call; `options.timeout` is
+    the server-side per-request deadline, which also covers time in the queue.
+    """
+
+    def __init__(
+        self,
+        target: str = "localhost:50051",
+        *,
+        token: str | None = None,
+        tls: Tls | None = None,
+        retries: bool = True,
+    ) -> None:
+        self.target = target
+        self._channel = aio_channel(target, tls, retries=retries)
+        self._stub = pb_grpc.InferenceServiceStub(self._channel)
+        self._metadata = auth_metadata(token)
+
+    async def __aenter__(self) -> AsyncClient:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def generate(
+        self,
+        prompt: Prompt,
+        options: GenerateOptions = _DEFAULT_OPTIONS,
+        *,
+        request_id: str = "",
+        deadline: float | None = None,
+    ) -> Generation:
+        """Run one generation and return it whole. Raises TokenwireError."""
+        request = messages.generate_request(prompt, options, request_id)
+        try:
+            response = await self._stub.Generate(request, timeout=deadline, metadata=self._metadata)
+        except grpc.RpcError as error:
+            raise TokenwireError.from_rpc_error(error) from None
+        return messages.generation(response)
+
+    async def stream(
+        self,
+        prompt: Prompt,
+        options: GenerateOptions = _DEFAULT_OPTIONS,
+        *,
+        request_id: str = "",
+        deadline: float | None = None,
+    ) -> AsyncIterator[StreamEvent]:
+        """Run one generation over StreamGenerate and yield its events as they arrive.
+
+        Leaving the loop early cancels the call, which stops the generation on the server.
+        """
+        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        async with self.open_stream(deadline=deadline) as stream:
+            await stream.submit(request_id, prompt, options)
+            await stream.close_requests()
+            async for event in stream.events():
+                yield event
+
+    def open_stream(self, *, deadline: float | None = None) -> MultiplexedStream:
+        """Open one StreamGenerate call that carries many generations (use `async with`)."""
+        return MultiplexedStream(self._stub, self._metadata, deadline)
+
+    async def list_models(self, *, deadline: float | None = 10.0) -> list[ModelDescription]:
+        try:
+            response = await self._stub.ListModels(
+                pb.ListModelsRequest(), timeout=deadline, metadata=self._metadata
+            )
+        except grpc.RpcError as error:
+            raise TokenwireError.from_rpc_error(error) from None
+        return [messages.model_description(m) for m in response.models]
+
+
+class MultiplexedStream:
+    """Many generations on one bidirectional stream, each addressed by its request_id."""
+
+    def __init__(
+        self,
+        stub: pb_grpc.InferenceServiceStub,
+        metadata: tuple[tuple[str, str], ...],
+        deadline: float | None,
+    ) -> None:
+        # The generated stubs type this as a plain iterator; at run time it is a grpc.aio
+        # StreamStreamCall with read/write/done_writing.
+        self._call: Any = stub.StreamGenerate(timeout=deadline, metadata=metadata)
+
+    async def __aenter__(self) -> MultiplexedStream:
+        return self
+
+    async def __aexit__(
+        self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        if not self._call.done():
+            self._call.cancel()
+
+    async def submit(
+        self, request_id: str, prompt: Prompt, options: GenerateOptions = _DEFAULT_OPTIONS
+    ) -> None:
+        """Start a generation; its events arrive through events()."""
+        request = messages.generate_request(prompt, options, request_id)
+        await self._write(pb.StreamGenerateRequest(generate=request))
+
+    async def cancel(self, request_id: str) -> None:
+        """Stop one generation; it then completes with FinishReason.CANCELLED."""
+        await self._write(pb.StreamGenerateRequest(cancel=pb.CancelRequest(request_id=request_id)))
+
+    async def close_requests(self) -> None:
+        """Say no more generations will be submitted; the stream ends after the live ones finish."""
+        await self._call.done_writing()
+
+    def cancel_all(self) -> None:
+        """Cancel the whole call: every generation on it stops."""
+        self._call.cancel()
+
+    async def events(self) -> AsyncIterator[StreamEvent]:
+        """Every event of every generation on this stream, until the stream ends."""
+        try:
+            while True:
+                message = await self._call.read()
+                if message is grpc.aio.EOF:
+                    return
+                yield messages.stream_event(message)
+        except grpc.RpcError as error:
+            raise TokenwireError.from_rpc_error(error) from None
+
+    async def _write(self, request: pb.StreamGenerateRequest) -> None:
+        try:
+            await self._call.write(request)
+        except grpc.RpcError as error:
+            raise TokenwireError.from_rpc_error(error) from None
+
+
+async def collect(events: AsyncIterator[StreamEvent]) -> Generation:
+    """Drain one generation's events into a Generation with the streamed text and tokens."""
+    text: list[str] = []
+    tokens: list[int] = []
+    async for event in events:
+        if isinstance(event, Failed):
+            raise event.error
+        if isinstance(event, Completed):
+            return replace(event.generation, text="".join(text), token_ids=tuple(tokens))
+        if isinstance(event, Chunk):
+            text.append(event.text)
+            tokens.extend(event.token_ids)
+    raise TokenwireError(grpc.StatusCode.UNKNOWN, "stream ended before the generation completed")

@@ -1,0 +1,186 @@
+"""Client commands of the `tokenwire` CLI: generate, models."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import TextIO
+
+from tokenwire.client.channel import Tls
+from tokenwire.client.errors import TokenwireError
+from tokenwire.client.sync import Client
+from tokenwire.client.types import (
+    ChatMessage,
+    Chunk,
+    Completed,
+    Failed,
+    GenerateOptions,
+    Generation,
+    Queued,
+    Sampling,
+    Started,
+    Stopping,
+)
+
+DEFAULT_SERVER = "localhost:50051"
+
+
+def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    generate = commands.add_parser("generate", help="generate text with a running server")
+    _add_connection_flags(generate)
+    generate.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    generate.add_argument("--model", default="", help="model name (default: the server's default)")
+    generate.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
+    generate.add_argument("--system", help="system message (with --chat)")
+    generate.add_argument("--stream", action="store_true", help="print text as it is generated")
+    generate.add_argument(
+        "--timeline",
+        action="store_true",
+        help="show where the time went: queued, first token, token rate, total",
+    )
+    generate.add_argument("--temperature", type=float, help="0 = greedy (default: the model's default)")
+    generate.add_argument("--top-k", type=int, default=0, help="0 disables")
+    generate.add_argument("--top-p", type=float, help="in (0, 1]")
+    generate.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]")
+    generate.add_argument("--repetition-penalty", type=float, help="> 0; 1 disables")
+    generate.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    generate.add_argument("--max-new-tokens", type=int, help="default: the server's default")
+    generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
+    generate.add_argument("--timeout", type=float, help="server-side deadline in seconds")
+    generate.set_defaults(handler=run_generate)
+
+    models = commands.add_parser("models", help="list the models a server serves")
+    _add_connection_flags(models)
+    models.set_defaults(handler=run_models)
+
+
+def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--server", default=os.environ.get("TOKENWIRE_SERVER", DEFAULT_SERVER), help="host:port of the server"
+    )
+    parser.add_argument("--token", default=os.environ.get("TOKENWIRE_TOKEN"), help="bearer token")
+    parser.add_argument("--tls-ca", type=Path, help="CA certificate (PEM) to trust; enables TLS")
+    parser.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for mutual TLS")
+    parser.add_argument("--tls-key", type=Path, help="client private key (PEM) for mutual TLS")
+
+
+def connect(args: argparse.Namespace) -> Client:
+    tls = None
+    if args.tls_ca or args.tls_cert:
+        tls = Tls(
+            root_certificates=args.tls_ca.read_bytes() if args.tls_ca else None,
+            certificate_chain=args.tls_cert.read_bytes() if args.tls_cert else None,
+            private_key=args.tls_key.read_bytes() if args.tls_key else None,
+        )
+    return Client(args.server, token=args.token, tls=tls)
+
+
+def _options(args: argparse.Namespace) -> GenerateOptions:
+    return GenerateOptions(
+        model=args.model,
+        sampling=Sampling(
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
+            repetition_penalty=args.repetition_penalty,
+            seed=args.seed,
+        ),
+        stopping=Stopping(
+            max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos
+        ),
+        timeout=args.timeout,
+    )
+
+
+def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    prompt: str | list[ChatMessage] = args.prompt
+    if args.chat:
+        turns = [ChatMessage("system", args.system)] if args.system else []
+        prompt = [*turns, ChatMessage("user", args.prompt)]
+    options = _options(args)
+    sent = time.monotonic()
+    try:
+        with connect(args) as client:
+            if not args.stream:
+                generation = client.generate(prompt, options)
+                out.write(generation.text + "\n")
+                if args.timeline:
+                    _print_timeline(generation, None, time.monotonic() - sent, out)
+                return 0
+            first_text_at: float | None = None
+            queue_position = 0
+            for event in client.stream(prompt, options):
+                if isinstance(event, Queued):
+                    queue_position = event.position
+                elif isinstance(event, Chunk):
+                    if first_text_at is None:
+                        first_text_at = time.monotonic() - sent
+                    out.write(event.text)
+                    out.flush()
+                elif isinstance(event, Failed):
+                    raise event.error
+                elif isinstance(event, Completed):
+                    out.write("\n")
+                    if args.timeline:
+                        _print_timeline(
+                            event.generation, first_text_at, time.monotonic() - sent, out, queue_position
+                        )
+                elif isinstance(event, Started):
+                    pass
+            return 0
+    except TokenwireError as error:
+        print(f"tokenwire generate: {error}", file=sys.stderr)
+        for violation in error.field_violations:
+            print(f"  {violation.field}: {violation.description}", file=sys.stderr)
+        if error.retry_after is not None:
+            print(f"  retry after {error.retry_after:.2f}s", file=sys.stderr)
+        return 1
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
+
+
+def _print_timeline(
+    generation: Generation,
+    client_first_token: float | None,
+    client_total: float,
+    out: TextIO,
+    queue_position: int = 0,
+) -> None:
+    t = generation.timing
+    lines = [
+        "--- timeline (server clock, from receipt of the request) ---",
+        f"validated   accepted at queue position {queue_position}",
+        f"queued      {_ms(t.queued)} waiting for a slot",
+        f"first token {_ms(t.time_to_first_token)} after receipt (prefill of {generation.prompt_tokens} "
+        f"prompt tokens: {_ms(t.prefill)})",
+        f"decoding    {t.decode_tokens_per_second:.1f} tokens/s ({_ms(t.time_per_output_token)} per token)",
+        f"total       {_ms(t.total)} for {generation.completion_tokens} tokens, "
+        f"finish {generation.finish_reason.value}",
+        f"client saw  first text after {_ms(client_first_token)}, all after {_ms(client_total)}",
+    ]
+    out.write("\n".join(lines) + "\n")
+
+
+def run_models(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    try:
+        with connect(args) as client:
+            models = client.list_models()
+    except TokenwireError as error:
+        print(f"tokenwire models: {error}", file=sys.stderr)
+        return 1
+    for model in models:
+        marks = ["default"] if model.is_default else []
+        if model.has_chat_template:
+            marks.append("chat")
+        out.write(
+            f"{model.name}\tcontext {model.context_length}\tvocab {model.vocab_size}\t"
+            f"batch {model.max_batch_size}\t{model.format}\t{' '.join(marks)}\n"
+        )
+    return 0

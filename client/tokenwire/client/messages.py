@@ -1,0 +1,148 @@
+"""Typed client values <-> protobuf messages."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from google.protobuf.duration_pb2 import Duration
+
+from tokenwire.client.errors import TokenwireError
+from tokenwire.client.types import (
+    ChatMessage,
+    Chunk,
+    Completed,
+    Failed,
+    FinishReason,
+    GenerateOptions,
+    Generation,
+    ModelDescription,
+    Queued,
+    Started,
+    StreamEvent,
+    Timing,
+    TokenLogprob,
+)
+from tokenwire.v1 import inference_service_pb2 as pb
+
+Prompt = str | Sequence[ChatMessage] | Sequence[int]
+"""A text prompt, a chat conversation, or pre-tokenized ids."""
+
+_FINISH = {
+    pb.FINISH_REASON_LENGTH: FinishReason.LENGTH,
+    pb.FINISH_REASON_EOS: FinishReason.EOS,
+    pb.FINISH_REASON_STOP: FinishReason.STOP,
+    pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+}
+
+
+def generate_request(prompt: Prompt, options: GenerateOptions, request_id: str = "") -> pb.GenerateRequest:
+    message = pb.GenerateRequest(
+        request_id=request_id,
+        model=options.model,
+        logprobs=options.logprobs,
+        top_logprobs=options.top_logprobs,
+    )
+    if isinstance(prompt, str):
+        message.prompt = prompt
+    elif prompt and all(isinstance(item, ChatMessage) for item in prompt):
+        message.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in prompt)  # type: ignore[union-attr]
+    else:
+        message.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
+    sampling = options.sampling
+    message.sampling.top_k = sampling.top_k
+    message.sampling.min_p = sampling.min_p
+    if sampling.temperature is not None:
+        message.sampling.temperature = sampling.temperature
+    if sampling.top_p is not None:
+        message.sampling.top_p = sampling.top_p
+    if sampling.repetition_penalty is not None:
+        message.sampling.repetition_penalty = sampling.repetition_penalty
+    if sampling.seed is not None:
+        message.sampling.seed = sampling.seed
+    stopping = options.stopping
+    if stopping.max_new_tokens is not None:
+        message.stopping.max_new_tokens = stopping.max_new_tokens
+    message.stopping.stop.extend(stopping.stop)
+    message.stopping.ignore_eos = stopping.ignore_eos
+    if options.timeout is not None:
+        message.timeout.CopyFrom(_duration(options.timeout))
+    return message
+
+
+def generation(message: pb.GenerateResponse) -> Generation:
+    return Generation(
+        request_id=message.request_id,
+        model=message.model,
+        text=message.text,
+        token_ids=tuple(message.token_ids),
+        finish_reason=_FINISH.get(message.finish_reason, FinishReason.UNSPECIFIED),
+        prompt_tokens=message.usage.prompt_tokens,
+        completion_tokens=message.usage.completion_tokens,
+        timing=timing(message.timing),
+        logprobs=tuple(logprob(lp) for lp in message.logprobs),
+    )
+
+
+def timing(message: pb.Timing) -> Timing:
+    return Timing(
+        queued=_seconds(message.queued),
+        time_to_first_token=(
+            _seconds(message.time_to_first_token) if message.HasField("time_to_first_token") else None
+        ),
+        prefill=_seconds(message.prefill) if message.HasField("prefill") else None,
+        total=_seconds(message.total),
+        decode_tokens_per_second=message.decode_tokens_per_second,
+        time_per_output_token=(
+            _seconds(message.time_per_output_token) if message.HasField("time_per_output_token") else None
+        ),
+    )
+
+
+def logprob(message: pb.TokenLogprob) -> TokenLogprob:
+    return TokenLogprob(
+        token_id=message.token_id,
+        token=message.token,
+        logprob=message.logprob,
+        top=tuple((t.token_id, t.token, t.logprob) for t in message.top_logprobs),
+    )
+
+
+def stream_event(message: pb.StreamGenerateResponse) -> StreamEvent:
+    request_id = message.request_id
+    kind = message.WhichOneof("event")
+    if kind == "chunk":
+        chunk = message.chunk
+        return Chunk(
+            request_id, chunk.text, tuple(chunk.token_ids), tuple(logprob(lp) for lp in chunk.logprobs)
+        )
+    if kind == "queued":
+        return Queued(request_id, message.queued.position)
+    if kind == "started":
+        return Started(request_id, _seconds(message.started.queued), message.started.prompt_tokens)
+    if kind == "completed":
+        return Completed(request_id, generation(message.completed))
+    if kind == "error":
+        return Failed(request_id, TokenwireError.from_status(message.error))
+    raise ValueError(f"unknown stream event {kind!r}")
+
+
+def model_description(message: pb.ModelInfo) -> ModelDescription:
+    return ModelDescription(
+        name=message.name,
+        context_length=message.context_length,
+        vocab_size=message.vocab_size,
+        has_chat_template=message.has_chat_template,
+        is_default=message.is_default,
+        max_batch_size=message.max_batch_size,
+        format=message.format,
+    )
+
+
+def _duration(seconds: float) -> Duration:
+    value = Duration()
+    value.FromNanoseconds(round(seconds * 1e9))
+    return value
+
+
+def _seconds(value: Duration) -> float:
+    return value.seconds + value.nanos / 1e9

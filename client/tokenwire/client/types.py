@@ -1,0 +1,136 @@
+"""Typed values of the client API: what you send and what comes back. No protobuf here."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    UNSPECIFIED = "unspecified"
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How tokens are picked. None leaves a field to the server's documented default."""
+
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float | None = None
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+
+
+@dataclass(frozen=True)
+class Stopping:
+    max_new_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerateOptions:
+    """Everything about a generation besides its input."""
+
+    model: str = ""
+    sampling: Sampling = field(default_factory=Sampling)
+    stopping: Stopping = field(default_factory=Stopping)
+    logprobs: bool = False
+    top_logprobs: int = 0
+    timeout: float | None = None
+    """Per-request deadline in seconds, enforced by the server through queue and generation."""
+
+
+@dataclass(frozen=True)
+class Timing:
+    """Seconds, measured by the server from the moment it received the request."""
+
+    queued: float
+    time_to_first_token: float | None
+    prefill: float | None
+    total: float
+    decode_tokens_per_second: float
+    time_per_output_token: float | None
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Generation:
+    request_id: str
+    model: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    timing: Timing
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelDescription:
+    name: str
+    context_length: int
+    vocab_size: int
+    has_chat_template: bool
+    is_default: bool
+    max_batch_size: int
+    format: str
+
+
+@dataclass(frozen=True)
+class Queued:
+    request_id: str
+    position: int
+
+
+@dataclass(frozen=True)
+class Started:
+    request_id: str
+    queued: float
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class Chunk:
+    request_id: str
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Completed:
+    """The last event of a successful generation; text and tokens came in the chunks."""
+
+    request_id: str
+    generation: Generation
+
+
+@dataclass(frozen=True)
+class Failed:
+    """The last event of a failed generation."""
+
+    request_id: str
+    error: Exception
+
+
+StreamEvent = Queued | Started | Chunk | Completed | Failed

@@ -1,0 +1,1 @@
+"""The gRPC edge: the only place that knows about protobuf."""

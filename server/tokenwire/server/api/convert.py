@@ -1,0 +1,140 @@
+"""Protobuf messages <-> domain objects. Nothing else in the server touches protobuf."""
+
+from __future__ import annotations
+
+from google.protobuf.duration_pb2 import Duration
+
+from tokenwire.server.engine.types import (
+    Completed,
+    EngineEvent,
+    Failed,
+    FinishReason,
+    GenerationResult,
+    Started,
+    TimingReport,
+    TokenLogprobs,
+    TokensGenerated,
+)
+from tokenwire.server.engine.validation import RequestSpec
+from tokenwire.server.models.runner import ModelInfo
+from tokenwire.server.text.chat import ChatTurn
+from tokenwire.v1 import inference_service_pb2 as pb
+
+_FINISH_REASONS = {
+    FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
+    FinishReason.EOS: pb.FINISH_REASON_EOS,
+    FinishReason.STOP: pb.FINISH_REASON_STOP,
+    FinishReason.CANCELLED: pb.FINISH_REASON_CANCELLED,
+}
+
+
+def request_spec(message: pb.GenerateRequest) -> RequestSpec:
+    sampling = message.sampling
+    stopping = message.stopping
+    return RequestSpec(
+        request_id=message.request_id,
+        model=message.model,
+        prompt=message.prompt if message.HasField("prompt") else None,
+        messages=tuple(ChatTurn(m.role, m.content) for m in message.messages),
+        token_ids=tuple(message.token_ids.ids) if message.HasField("token_ids") else None,
+        temperature=sampling.temperature if sampling.HasField("temperature") else None,
+        top_k=sampling.top_k,
+        top_p=sampling.top_p if sampling.HasField("top_p") else None,
+        min_p=sampling.min_p,
+        repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else None,
+        seed=sampling.seed if sampling.HasField("seed") else None,
+        max_new_tokens=stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None,
+        stop=tuple(stopping.stop),
+        ignore_eos=stopping.ignore_eos,
+        logprobs=message.logprobs,
+        top_logprobs=message.top_logprobs,
+        timeout=_seconds(message.timeout) if message.HasField("timeout") else None,
+    )
+
+
+def generate_response(result: GenerationResult, *, include_outputs: bool = True) -> pb.GenerateResponse:
+    """The summary of a finished generation; without outputs for a stream's `completed` event."""
+    response = pb.GenerateResponse(
+        request_id=result.request_id,
+        model=result.model,
+        finish_reason=_FINISH_REASONS[result.finish_reason],
+        usage=pb.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens),
+        timing=timing(result.timing),
+    )
+    if include_outputs:
+        response.text = result.text
+        response.token_ids.extend(result.token_ids)
+        response.logprobs.extend(token_logprobs(lp) for lp in result.logprobs)
+    return response
+
+
+def timing(report: TimingReport) -> pb.Timing:
+    message = pb.Timing(
+        queued=duration(report.queued),
+        total=duration(report.total),
+        decode_tokens_per_second=report.decode_tokens_per_second,
+    )
+    if report.time_to_first_token is not None:
+        message.time_to_first_token.CopyFrom(duration(report.time_to_first_token))
+    if report.prefill is not None:
+        message.prefill.CopyFrom(duration(report.prefill))
+    if report.time_per_output_token is not None:
+        message.time_per_output_token.CopyFrom(duration(report.time_per_output_token))
+    return message
+
+
+def token_logprobs(item: TokenLogprobs) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=item.token_id,
+        token=item.token,
+        logprob=item.logprob,
+        top_logprobs=[pb.TopLogprob(token_id=t, token=text, logprob=lp) for t, text, lp in item.top],
+    )
+
+
+def stream_event(request_id: str, event: EngineEvent) -> pb.StreamGenerateResponse:
+    """A stream message for an engine event (Failed events go through api.errors instead)."""
+    message = pb.StreamGenerateResponse(request_id=request_id)
+    if isinstance(event, TokensGenerated):
+        message.chunk.text = event.text
+        message.chunk.token_ids.extend(event.token_ids)
+        message.chunk.logprobs.extend(token_logprobs(lp) for lp in event.logprobs)
+    elif isinstance(event, Started):
+        message.started.queued.CopyFrom(duration(event.queued_seconds))
+        message.started.prompt_tokens = event.prompt_tokens
+    elif isinstance(event, Completed):
+        message.completed.CopyFrom(generate_response(event.result, include_outputs=False))
+    elif isinstance(event, Failed):  # pragma: no cover - callers route failures to errors.py
+        raise TypeError("failures are converted by tokenwire.server.api.errors")
+    return message
+
+
+def queued_event(request_id: str, position: int) -> pb.StreamGenerateResponse:
+    return pb.StreamGenerateResponse(request_id=request_id, queued=pb.Queued(position=position))
+
+
+def model_info(info: ModelInfo, *, has_chat_template: bool, is_default: bool) -> pb.ModelInfo:
+    return pb.ModelInfo(
+        name=info.name,
+        context_length=info.context_length,
+        vocab_size=info.vocab_size,
+        has_chat_template=has_chat_template,
+        is_default=is_default,
+        max_batch_size=info.max_batch_size,
+        format=info.format,
+    )
+
+
+def duration(seconds: float) -> Duration:
+    message = Duration()
+    whole = int(seconds)
+    message.seconds = whole
+    message.nanos = round((seconds - whole) * 1e9)
+    if message.nanos >= 1_000_000_000:
+        message.seconds += 1
+        message.nanos -= 1_000_000_000
+    return message
+
+
+def _seconds(value: Duration) -> float:
+    return value.seconds + value.nanos / 1e9

@@ -1,0 +1,98 @@
+"""InferenceService: convert, delegate to the engine, convert back."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from typing import TypeAlias
+
+import grpc
+
+from tokenwire.server.api import convert, errors
+from tokenwire.server.api.stream import StreamSession
+from tokenwire.server.engine.errors import GenerationError
+from tokenwire.server.engine.registry import ModelRegistry
+from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
+from tokenwire.server.lifecycle import Lifecycle
+from tokenwire.v1 import inference_service_pb2 as pb
+from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
+
+Context: TypeAlias = grpc.aio.ServicerContext
+
+
+class InferenceServicer(pb_grpc.InferenceServiceServicer):
+    def __init__(
+        self, registry: ModelRegistry, lifecycle: Lifecycle, *, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self._registry = registry
+        self._lifecycle = lifecycle
+        self._clock = clock
+
+    async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
+        received = self._clock()
+        spec = convert.request_spec(request)
+        if not spec.request_id:
+            spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
+        outcome: asyncio.Future[EngineEvent] = asyncio.get_running_loop().create_future()
+
+        def finish(event: EngineEvent) -> None:
+            if isinstance(event, Completed | Failed) and not outcome.done():
+                outcome.set_result(event)
+
+        try:
+            self._lifecycle.check_accepting()
+            served = self._registry.resolve(spec.model)
+            validated = served.validator.validate(
+                spec, received_at=received, call_deadline=_call_deadline(context, received)
+            )
+            ticket = served.engine.submit(validated, finish)
+        except GenerationError as error:
+            await errors.abort(context, error)
+            raise  # unreachable: abort raises
+        try:
+            event = await outcome
+        except asyncio.CancelledError:
+            # The call ended under us: the client cancelled, disconnected or its deadline passed.
+            remaining = context.time_remaining()
+            reason = (
+                AbortReason.DEADLINE if remaining is not None and remaining <= 0 else AbortReason.DISCONNECTED
+            )
+            served.engine.abort(ticket.key, reason)
+            raise
+        if isinstance(event, Failed):
+            await errors.abort(context, event.error)
+        assert isinstance(event, Completed)
+        return convert.generate_response(event.result)
+
+    async def StreamGenerate(  # noqa: N802
+        self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: Context
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        received = self._clock()
+        try:
+            self._lifecycle.check_accepting()
+        except GenerationError as error:
+            await errors.abort(context, error)
+        session = StreamSession(
+            self._registry, self._lifecycle, self._clock, _call_deadline(context, received)
+        )
+        async for message in session.run(request_iterator):
+            yield message
+
+    async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:  # noqa: N802
+        served = self._registry.all()
+        return pb.ListModelsResponse(
+            models=[
+                convert.model_info(
+                    s.model.info, has_chat_template=s.model.chat_template is not None, is_default=index == 0
+                )
+                for index, s in enumerate(served)
+            ]
+        )
+
+
+def _call_deadline(context: Context, received: float) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else received + remaining

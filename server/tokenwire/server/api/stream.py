@@ -1,0 +1,132 @@
+"""One StreamGenerate call: many generations multiplexed on a bidirectional stream.
+
+A reader task takes client messages (generate / cancel) while the call's coroutine writes the
+events of every live generation as they come. Half-close ends the reading; the stream ends
+once every live generation has delivered its last event. If the call itself ends first
+(client cancel, disconnect, deadline), every live generation is aborted in `finally`, and the
+engine stops them within one decode step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+from tokenwire.server.api import convert
+from tokenwire.server.api.errors import status_proto
+from tokenwire.server.engine.engine import Engine
+from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
+from tokenwire.server.engine.registry import ModelRegistry
+from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
+from tokenwire.server.lifecycle import Lifecycle
+from tokenwire.v1 import inference_service_pb2 as pb
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Live:
+    engine: Engine
+    key: int
+
+
+class StreamSession:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        lifecycle: Lifecycle,
+        clock: Callable[[], float],
+        call_deadline: float | None,
+    ) -> None:
+        self._registry = registry
+        self._lifecycle = lifecycle
+        self._clock = clock
+        self._call_deadline = call_deadline
+        self._outbox: asyncio.Queue[pb.StreamGenerateResponse | None] = asyncio.Queue()
+        self._live: dict[str, _Live] = {}
+        self._half_closed = False
+        self._reader_error: BaseException | None = None
+
+    async def run(
+        self, requests: AsyncIterator[pb.StreamGenerateRequest]
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        reader = asyncio.create_task(self._read(requests), name="stream-reader")
+        try:
+            while True:
+                if self._reader_error is not None:
+                    raise self._reader_error
+                if self._half_closed and not self._live and self._outbox.empty():
+                    return
+                message = await self._outbox.get()
+                if message is not None:
+                    yield message
+        finally:
+            reader.cancel()
+            for live in self._live.values():
+                live.engine.abort(live.key, AbortReason.DISCONNECTED)
+            self._live.clear()
+
+    async def _read(self, requests: AsyncIterator[pb.StreamGenerateRequest]) -> None:
+        try:
+            async for message in requests:
+                kind = message.WhichOneof("request")
+                if kind == "generate":
+                    self._start(message.generate)
+                elif kind == "cancel":
+                    self._cancel(message.cancel.request_id)
+                else:
+                    error = GenerationError.invalid(FieldViolation("request", "set generate or cancel"))
+                    self._outbox.put_nowait(_error_event("", error))
+        except asyncio.CancelledError:
+            raise
+        except BaseException as error:  # a broken read ends the call; the writer re-raises it
+            self._reader_error = error
+        finally:
+            self._half_closed = True
+            self._outbox.put_nowait(None)  # wake the writer so it can notice
+
+    def _start(self, message: pb.GenerateRequest) -> None:
+        received = self._clock()
+        request_id = message.request_id
+        try:
+            if request_id and request_id in self._live:
+                raise GenerationError(
+                    ErrorKind.INVALID_ARGUMENT,
+                    f"request_id {request_id!r} is already live on this stream; that generation continues",
+                    violations=(
+                        FieldViolation("request_id", "already used by a live request of this stream"),
+                    ),
+                    reason="DUPLICATE_REQUEST_ID",
+                )
+            self._lifecycle.check_accepting()
+            spec = convert.request_spec(message)
+            served = self._registry.resolve(spec.model)
+            request = served.validator.validate(
+                spec, received_at=received, call_deadline=self._call_deadline, require_request_id=True
+            )
+            ticket = served.engine.submit(request, lambda event: self._deliver(request_id, event))
+        except GenerationError as error:
+            self._outbox.put_nowait(_error_event(request_id, error))
+            return
+        self._live[request_id] = _Live(served.engine, ticket.key)
+        self._outbox.put_nowait(convert.queued_event(request_id, ticket.queue_position))
+
+    def _cancel(self, request_id: str) -> None:
+        live = self._live.get(request_id)
+        if live is not None:
+            live.engine.abort(live.key, AbortReason.CANCELLED)
+
+    def _deliver(self, request_id: str, event: EngineEvent) -> None:
+        if isinstance(event, Failed):
+            self._live.pop(request_id, None)
+            self._outbox.put_nowait(_error_event(request_id, event.error))
+            return
+        if isinstance(event, Completed):
+            self._live.pop(request_id, None)
+        self._outbox.put_nowait(convert.stream_event(request_id, event))
+
+
+def _error_event(request_id: str, error: GenerationError) -> pb.StreamGenerateResponse:
+    return pb.StreamGenerateResponse(request_id=request_id, error=status_proto(error))

@@ -1,0 +1,1 @@
+"""The engine: validation, the bounded queue, continuous batching in its own thread."""

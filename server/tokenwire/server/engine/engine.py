@@ -1,0 +1,585 @@
+"""Continuous batching in a thread of its own.
+
+The event loop hands requests and aborts to the engine through a lock-protected inbox; the
+engine thread alone owns the model and the running sequences. Its loop is
+schedule -> execute -> update: apply aborts and deadlines, admit queued requests into free
+slots, run prompt chunks, run one batched decode step, then deliver the step's events to the
+event loop in a single `call_soon_threadsafe`. Aborts (cancel, disconnect, deadline, shutdown)
+therefore take effect at the next step boundary, within one decode step, and free the
+sequence's KV cache at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.observer import EngineObserver, NullObserver
+from tokenwire.server.engine.sequence import Sequence, timing_report
+from tokenwire.server.engine.types import (
+    AbortReason,
+    Completed,
+    EngineEvent,
+    EventSink,
+    Failed,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    RequestTicket,
+    Started,
+    TokenLogprobs,
+    TokensGenerated,
+)
+from tokenwire.server.models.runner import ModelRunner
+from tokenwire.server.sampling.logprobs import token_logprob
+from tokenwire.server.sampling.sampler import pick_tokens
+from tokenwire.server.text.tokenizer import Tokenizer
+
+log = logging.getLogger(__name__)
+
+Clock = Callable[[], float]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = 8
+    """Most sequences decoded together."""
+    max_queue_size: int = 64
+    """Most accepted requests waiting for a slot; beyond it requests are rejected at once."""
+    prefill_chunk_size: int = 256
+    """Prompt tokens processed per model call, so a long prompt cannot stall running streams."""
+
+
+@dataclass
+class EngineStats:
+    """Counters for tests and telemetry. Written by the engine thread only."""
+
+    decode_steps: int = 0
+    decoded_rows: int = 0
+    prefill_chunks: int = 0
+    finished: int = 0
+    aborted: int = 0
+    max_abort_latency_steps: int = 0
+    """Most decode steps any aborted sequence took part in after its abort was requested."""
+    orphaned_steps: int = 0
+    """Decode steps run for aborted sequences beyond the one step an abort may take to land."""
+    step_failures: int = 0
+
+
+@dataclass
+class _Waiting:
+    key: int
+    request: GenerationRequest
+    sink: EventSink
+
+
+@dataclass
+class _Inbox:
+    """State shared between the event loop and the engine thread, guarded by the engine lock."""
+
+    waiting: deque[_Waiting] = field(default_factory=deque)
+    aborts: list[tuple[int, AbortReason]] = field(default_factory=list)
+    live: set[int] = field(default_factory=set)
+
+
+class Engine:
+    """Schedules requests for one model onto its runner."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Tokenizer,
+        config: EngineConfig,
+        *,
+        clock: Clock = time.monotonic,
+        observer: EngineObserver | None = None,
+    ) -> None:
+        self._runner = runner
+        self._tokenizer = tokenizer
+        self._config = config
+        self._clock = clock
+        self._observer: EngineObserver = observer or NullObserver()
+        self._model = runner.info.name
+        self._slots = min(config.max_batch_size, runner.capacity())
+        self._lock = threading.Lock()
+        self._wakeup = threading.Condition(self._lock)
+        self._inbox = _Inbox()
+        self._accepting = True
+        self._stopping = False
+        self._keys = itertools.count(1)
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._idle: asyncio.Event | None = None
+        # Engine-thread state.
+        self._prefilling: deque[Sequence] = deque()
+        self._decoding: dict[int, Sequence] = {}
+        self._outbox: list[tuple[EventSink, EngineEvent]] = []
+        self._abort_step: dict[int, int] = {}
+        self._service_seconds = 1.0  # moving average of started->finished, for retry hints
+        self.stats = EngineStats()
+
+    # -- event-loop side -------------------------------------------------------------------------
+
+    @property
+    def model_name(self) -> str:
+        return self._model
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @property
+    def slots(self) -> int:
+        return self._slots
+
+    def start(self) -> None:
+        """Start the engine thread; events are delivered on the running event loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._thread = threading.Thread(target=self._run, name=f"engine[{self._model}]", daemon=True)
+        self._thread.start()
+
+    def submit(self, request: GenerationRequest, sink: EventSink) -> RequestTicket:
+        """Queue a validated request. Raises GenerationError when it cannot be accepted."""
+        with self._lock:
+            if not self._accepting or self._stopping:
+                raise GenerationError(
+                    ErrorKind.UNAVAILABLE,
+                    "server is shutting down; retry on another instance",
+                    reason="DRAINING",
+                )
+            capacity = self._slots + self._config.max_queue_size
+            if len(self._inbox.live) >= capacity:
+                retry_after = self._retry_after_locked()
+                raise GenerationError(
+                    ErrorKind.RESOURCE_EXHAUSTED,
+                    f"work queue is full ({self._config.max_queue_size} waiting, {self._slots} running); "
+                    f"retry after {retry_after:.2f}s",
+                    retry_after=retry_after,
+                    reason="QUEUE_FULL",
+                )
+            key = next(self._keys)
+            position = len(self._inbox.waiting)
+            self._inbox.waiting.append(_Waiting(key, request, sink))
+            self._inbox.live.add(key)
+            if self._idle is not None:
+                self._idle.clear()
+            self._wakeup.notify()
+        return RequestTicket(key=key, queue_position=position)
+
+    def abort(self, key: int, reason: AbortReason) -> None:
+        """Stop a live request at the next step boundary (unknown or finished keys are ignored)."""
+        with self._lock:
+            if key not in self._inbox.live:
+                return
+            self._inbox.aborts.append((key, reason))
+            self._abort_step.setdefault(key, self.stats.decode_steps)
+            self._wakeup.notify()
+
+    def stop_accepting(self) -> None:
+        """Refuse new requests with UNAVAILABLE; live ones continue (the first step of a drain)."""
+        with self._lock:
+            self._accepting = False
+
+    @property
+    def accepting(self) -> bool:
+        return self._accepting
+
+    @property
+    def live_count(self) -> int:
+        with self._lock:
+            return len(self._inbox.live)
+
+    @property
+    def queue_depth(self) -> int:
+        with self._lock:
+            return len(self._inbox.waiting)
+
+    async def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until no request is live; False if `timeout` passed first."""
+        assert self._idle is not None, "engine not started"
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except TimeoutError:
+            return False
+        return True
+
+    async def shutdown(self) -> None:
+        """Fail every live request with UNAVAILABLE, then stop the engine thread."""
+        with self._lock:
+            self._accepting = False
+            for key in self._inbox.live:
+                self._inbox.aborts.append((key, AbortReason.SHUTDOWN))
+            self._stopping = True
+            self._wakeup.notify()
+        if self._thread is not None:
+            await asyncio.to_thread(self._thread.join)
+            self._thread = None
+
+    def _retry_after_locked(self) -> float:
+        # Time for the queue ahead to reach a slot: each batch of `slots` requests takes about one
+        # average service time. Clamped so clients neither hammer nor give up.
+        batches_ahead = math.ceil((len(self._inbox.waiting) + 1) / max(1, self._slots))
+        return min(30.0, max(0.05, batches_ahead * self._service_seconds))
+
+    # -- engine thread ---------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        try:
+            while self._schedule_round():
+                pass
+        except BaseException:  # the thread must never die silently with requests live
+            log.exception("engine thread crashed; failing every live request")
+            self._fail_everything(GenerationError(ErrorKind.INTERNAL, "engine failure"))
+            raise
+
+    def _schedule_round(self) -> bool:
+        with self._lock:
+            while (
+                not self._stopping
+                and not self._inbox.waiting
+                and not self._inbox.aborts
+                and not self._prefilling
+                and not self._decoding
+            ):
+                self._wakeup.wait()
+            aborts, self._inbox.aborts = self._inbox.aborts, []
+            stopping = self._stopping
+        now = self._clock()
+        self._apply_aborts(aborts, now)
+        self._expire_deadlines(now)
+        if stopping and not self._prefilling and not self._decoding:
+            with self._lock:
+                finished = not self._inbox.waiting and not self._inbox.aborts
+            if finished:
+                self._flush()
+                return False
+            return True
+        self._admit()
+        self._run_prefill()
+        self._run_decode()
+        self._report_occupancy()
+        self._flush()
+        return True
+
+    def _admit(self) -> None:
+        free = self._slots - len(self._prefilling) - len(self._decoding)
+        admitted: list[_Waiting] = []
+        with self._lock:
+            while free > 0 and self._inbox.waiting:
+                admitted.append(self._inbox.waiting.popleft())
+                free -= 1
+        now = self._clock()
+        info = self._runner.info
+        for entry in admitted:
+            deadline = entry.request.deadline
+            if deadline is not None and now >= deadline:
+                self._fail_unstarted(entry, _deadline_error("in the queue"), now, outcome="deadline")
+                continue
+            sequence = Sequence(
+                key=entry.key,
+                request=entry.request,
+                sink=entry.sink,
+                tokenizer=self._tokenizer,
+                eos_token_ids=info.eos_token_ids,
+                context_length=info.context_length,
+                started_at=now,
+            )
+            self._prefilling.append(sequence)
+            self._emit(entry.sink, Started(now - entry.request.received_at, len(entry.request.prompt_ids)))
+
+    def _run_prefill(self) -> None:
+        # With streams decoding, prompt work per round is capped at one chunk so their next token
+        # is not held up; with nothing decoding, every waiting prompt is processed at once.
+        budget = self._config.prefill_chunk_size if self._decoding else math.inf
+        chunk_size = self._config.prefill_chunk_size
+        while self._prefilling and budget > 0:
+            sequence = self._prefilling[0]
+            start = sequence.prefilled
+            chunk = sequence.prompt_ids[start : start + chunk_size]
+            began = self._clock()
+            try:
+                logits = self._runner.prefill(sequence.key, chunk, start=start)
+            except Exception as error:
+                log.exception("prefill failed for request %s", sequence.request.request_id)
+                self.stats.step_failures += 1
+                self._prefilling.popleft()
+                self._finish_failed(sequence, _model_error(error), self._clock())
+                continue
+            now = self._clock()
+            self.stats.prefill_chunks += 1
+            self._observer.prefill_chunk(model=self._model, tokens=len(chunk), seconds=now - began)
+            budget -= len(chunk)
+            sequence.prefilled += len(chunk)
+            if sequence.prefill_done:
+                self._prefilling.popleft()
+                # Join the decoding set first: _accept_tokens removes it again if it already ended.
+                self._decoding[sequence.key] = sequence
+                self._accept_tokens([sequence], logits[np.newaxis, :], now)
+
+    def _run_decode(self) -> None:
+        rows = [s for s in self._decoding.values() if s.output_ids]
+        if not rows:
+            return
+        began = self._clock()
+        try:
+            logits = self._runner.decode([s.key for s in rows], [s.last_token for s in rows])
+        except Exception as error:
+            log.exception("decode step failed for %d sequences", len(rows))
+            self.stats.step_failures += 1
+            now = self._clock()
+            for sequence in rows:
+                del self._decoding[sequence.key]
+                self._finish_failed(sequence, _model_error(error), now)
+            return
+        now = self._clock()
+        self.stats.decode_steps += 1
+        self.stats.decoded_rows += len(rows)
+        self._observer.decode_step(model=self._model, batch_size=len(rows), seconds=now - began)
+        self._accept_tokens(rows, logits, now)
+
+    def _accept_tokens(self, rows: list[Sequence], logits: np.ndarray, now: float) -> None:
+        """Sample one token per row, emit it, and retire the rows that finished."""
+        # Sampling may rewrite logits in place (repetition penalty): keep the model's own
+        # distribution for the rows that report log-probabilities.
+        raw = {i: logits[i].copy() for i, s in enumerate(rows) if s.request.logprobs}
+        tokens = pick_tokens(logits, [s.sampler for s in rows])
+        for i, (sequence, token) in enumerate(zip(rows, tokens, strict=True)):
+            token_logprobs = (
+                self._token_logprobs(raw[i], token, sequence.request.top_logprobs) if i in raw else None
+            )
+            output = sequence.add_token(token, now, token_logprobs)
+            self._emit(sequence.sink, output.event)
+            if output.finish is not None:
+                self._decoding.pop(sequence.key, None)
+                self._finish_completed(sequence, output.finish, now)
+
+    def _token_logprobs(self, row: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
+        found = token_logprob(row, token, top_n)
+        decode = self._tokenizer.decode
+        return TokenLogprobs(
+            token_id=token,
+            token=decode([token], skip_special_tokens=False),
+            logprob=found.logprob,
+            top=tuple((tid, decode([tid], skip_special_tokens=False), lp) for tid, lp in found.top),
+        )
+
+    def _apply_aborts(self, aborts: list[tuple[int, AbortReason]], now: float) -> None:
+        for key, reason in aborts:
+            sequence = self._decoding.pop(key, None)
+            if sequence is None:
+                sequence = next((s for s in self._prefilling if s.key == key), None)
+                if sequence is not None:
+                    self._prefilling.remove(sequence)
+            if sequence is not None:
+                self._finish_aborted(sequence, reason, now)
+                continue
+            with self._lock:
+                entry = next((w for w in self._inbox.waiting if w.key == key), None)
+                if entry is not None:
+                    self._inbox.waiting.remove(entry)
+            if entry is not None:
+                self._abort_unstarted(entry, reason, now)
+
+    def _expire_deadlines(self, now: float) -> None:
+        expired = [
+            s
+            for s in [*self._prefilling, *self._decoding.values()]
+            if s.request.deadline is not None and now >= s.request.deadline
+        ]
+        for sequence in expired:
+            self._decoding.pop(sequence.key, None)
+            if sequence in self._prefilling:
+                self._prefilling.remove(sequence)
+            self._finish_failed(sequence, _deadline_error("during generation"), now, outcome="deadline")
+        with self._lock:
+            late = [
+                w for w in self._inbox.waiting if w.request.deadline is not None and now >= w.request.deadline
+            ]
+            for entry in late:
+                self._inbox.waiting.remove(entry)
+        for entry in late:
+            self._fail_unstarted(entry, _deadline_error("in the queue"), now, outcome="deadline")
+
+    # -- finishing -------------------------------------------------------------------------------
+
+    def _finish_completed(self, sequence: Sequence, finish: FinishReason, now: float) -> None:
+        result = sequence.result(finish, now)
+        self._emit(sequence.sink, Completed(result))
+        outcome = "cancelled" if finish is FinishReason.CANCELLED else "ok"
+        self._retire(sequence, now, outcome=outcome, finish=finish)
+
+    def _finish_failed(
+        self, sequence: Sequence, error: GenerationError, now: float, *, outcome: str = "error"
+    ) -> None:
+        self._emit(sequence.sink, Failed(error, completion_tokens=len(sequence.output_ids)))
+        self._retire(sequence, now, outcome=outcome, finish=None)
+
+    def _finish_aborted(self, sequence: Sequence, reason: AbortReason, now: float) -> None:
+        if reason is AbortReason.CANCELLED or reason is AbortReason.DISCONNECTED:
+            # Text held back (an incomplete character, a possible stop-string prefix) is real
+            # output that will now never complete: hand it over before the summary.
+            remainder = sequence.flush_text()
+            if remainder:
+                self._emit(sequence.sink, TokensGenerated((), remainder))
+            self._finish_completed(sequence, FinishReason.CANCELLED, now)
+        elif reason is AbortReason.DEADLINE:
+            self._finish_failed(sequence, _deadline_error("during generation"), now, outcome="deadline")
+        else:
+            self._finish_failed(sequence, _shutdown_error(), now, outcome="unavailable")
+
+    def _retire(self, sequence: Sequence, now: float, *, outcome: str, finish: FinishReason | None) -> None:
+        self._runner.release(sequence.key)
+        self.stats.finished += 1
+        abort_step = self._abort_step.pop(sequence.key, None)
+        if abort_step is not None:
+            self.stats.aborted += 1
+            latency = self.stats.decode_steps - abort_step
+            self.stats.max_abort_latency_steps = max(self.stats.max_abort_latency_steps, latency)
+            self.stats.orphaned_steps += max(0, latency - 1)
+        self._service_seconds = 0.8 * self._service_seconds + 0.2 * max(0.0, now - sequence.started_at)
+        self._observer.request_finished(
+            model=self._model,
+            outcome=outcome,
+            finish_reason=finish,
+            prompt_tokens=len(sequence.prompt_ids),
+            completion_tokens=len(sequence.output_ids),
+            timing=sequence.timing(now),
+        )
+        self._forget(sequence.key)
+
+    def _abort_unstarted(self, entry: _Waiting, reason: AbortReason, now: float) -> None:
+        if reason is AbortReason.CANCELLED or reason is AbortReason.DISCONNECTED:
+            timing = timing_report(
+                received=entry.request.received_at,
+                started=None,
+                first_token=None,
+                last_token=None,
+                finished=now,
+                tokens=0,
+            )
+            result = GenerationResult(
+                request_id=entry.request.request_id,
+                model=entry.request.model,
+                text="",
+                token_ids=(),
+                finish_reason=FinishReason.CANCELLED,
+                prompt_tokens=len(entry.request.prompt_ids),
+                timing=timing,
+            )
+            self._emit(entry.sink, Completed(result))
+            self._report_unstarted(entry, now, "cancelled", FinishReason.CANCELLED)
+        elif reason is AbortReason.DEADLINE:
+            self._fail_unstarted(entry, _deadline_error("in the queue"), now, outcome="deadline")
+        else:
+            self._fail_unstarted(entry, _shutdown_error(), now, outcome="unavailable")
+        self._abort_step.pop(entry.key, None)
+
+    def _fail_unstarted(self, entry: _Waiting, error: GenerationError, now: float, *, outcome: str) -> None:
+        self._emit(entry.sink, Failed(error))
+        self._report_unstarted(entry, now, outcome, None)
+
+    def _report_unstarted(
+        self, entry: _Waiting, now: float, outcome: str, finish: FinishReason | None
+    ) -> None:
+        self.stats.finished += 1
+        timing = timing_report(
+            received=entry.request.received_at,
+            started=None,
+            first_token=None,
+            last_token=None,
+            finished=now,
+            tokens=0,
+        )
+        self._observer.request_finished(
+            model=self._model,
+            outcome=outcome,
+            finish_reason=finish,
+            prompt_tokens=len(entry.request.prompt_ids),
+            completion_tokens=0,
+            timing=timing,
+        )
+        self._forget(entry.key)
+
+    def _forget(self, key: int) -> None:
+        with self._lock:
+            self._inbox.live.discard(key)
+
+    def _fail_everything(self, error: GenerationError) -> None:
+        for sequence in [*self._prefilling, *self._decoding.values()]:
+            self._emit(sequence.sink, Failed(error, completion_tokens=len(sequence.output_ids)))
+            self._forget(sequence.key)
+        with self._lock:
+            waiting = list(self._inbox.waiting)
+            self._inbox.waiting.clear()
+            self._accepting = False
+        for entry in waiting:
+            self._emit(entry.sink, Failed(error))
+            self._forget(entry.key)
+        self._prefilling.clear()
+        self._decoding.clear()
+        self._flush()
+
+    # -- delivery --------------------------------------------------------------------------------
+
+    def _emit(self, sink: EventSink, event: EngineEvent) -> None:
+        self._outbox.append((sink, event))
+
+    def _report_occupancy(self) -> None:
+        with self._lock:
+            queued = len(self._inbox.waiting)
+        running = len(self._prefilling) + len(self._decoding)
+        self._observer.occupancy(
+            model=self._model, queued=queued, running=running, kv_slots_used=running, kv_slots=self._slots
+        )
+
+    def _flush(self) -> None:
+        """Hand this round's events to the event loop in one call."""
+        loop = self._loop
+        batch, self._outbox = self._outbox, []
+        with self._lock:
+            idle = not self._inbox.live
+        if loop is None or (not batch and not idle):
+            return
+        # A closed event loop means nobody is listening any more.
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self._deliver, batch, idle)
+
+    def _deliver(self, batch: list[tuple[EventSink, EngineEvent]], idle: bool) -> None:
+        for sink, event in batch:
+            try:
+                sink(event)
+            except Exception:
+                log.exception("event sink failed")
+        if self._idle is not None and idle and self.live_count == 0:
+            self._idle.set()
+
+
+def _deadline_error(where: str) -> GenerationError:
+    return GenerationError(
+        ErrorKind.DEADLINE_EXCEEDED, f"deadline exceeded {where}", reason="DEADLINE_EXCEEDED"
+    )
+
+
+def _shutdown_error() -> GenerationError:
+    return GenerationError(
+        ErrorKind.UNAVAILABLE, "server shut down before the request finished; retry", reason="SHUTDOWN"
+    )
+
+
+def _model_error(error: Exception) -> GenerationError:
+    return GenerationError(ErrorKind.INTERNAL, f"model failure: {error}", reason="MODEL_FAILURE")

@@ -1,0 +1,48 @@
+"""Hooks through which telemetry watches the engine without the engine knowing about it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tokenwire.server.engine.types import FinishReason, TimingReport
+
+
+class EngineObserver(Protocol):
+    """Called from the engine thread; implementations must be quick and never raise."""
+
+    def request_finished(
+        self,
+        *,
+        model: str,
+        outcome: str,
+        finish_reason: FinishReason | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timing: TimingReport,
+    ) -> None:
+        """A request left the engine. `outcome` is ok, cancelled, deadline, unavailable or error."""
+
+    def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
+        """One batched decode step ran."""
+
+    def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
+        """One prompt chunk was processed."""
+
+    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
+        """The queue and batch after a scheduling round."""
+
+
+class NullObserver:
+    """Observes nothing."""
+
+    def request_finished(self, **_: object) -> None:
+        return None
+
+    def decode_step(self, **_: object) -> None:
+        return None
+
+    def prefill_chunk(self, **_: object) -> None:
+        return None
+
+    def occupancy(self, **_: object) -> None:
+        return None

@@ -1,0 +1,164 @@
+"""One running generation: its tokens, text, stop conditions and timestamps.
+
+Owned by the engine thread; nothing here is shared with the event loop.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tokenwire.server.engine.types import (
+    EventSink,
+    FinishReason,
+    GenerationRequest,
+    GenerationResult,
+    TimingReport,
+    TokenLogprobs,
+    TokensGenerated,
+)
+from tokenwire.server.sampling.sampler import SequenceSampler
+from tokenwire.server.text.detokenizer import IncrementalDetokenizer
+from tokenwire.server.text.stop import StopStringMatcher
+from tokenwire.server.text.tokenizer import Tokenizer
+
+
+@dataclass
+class StepOutput:
+    """What one new token did to a sequence."""
+
+    event: TokensGenerated
+    finish: FinishReason | None
+
+
+@dataclass
+class Sequence:
+    key: int
+    request: GenerationRequest
+    sink: EventSink
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    context_length: int
+    started_at: float
+    sampler: SequenceSampler = field(init=False)
+    prefilled: int = 0
+    """Prompt tokens already processed."""
+    output_ids: list[int] = field(default_factory=list)
+    text_parts: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    abort_requested_at_step: int | None = None
+    _detokenizer: IncrementalDetokenizer = field(init=False)
+    _stops: StopStringMatcher = field(init=False)
+    _stopped_by_string: bool = False
+
+    def __post_init__(self) -> None:
+        history = list(self.request.prompt_ids) if self.request.sampling.needs_history else []
+        self.sampler = SequenceSampler(self.request.sampling, history=history)
+        self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.request.prompt_ids)
+        self._stops = StopStringMatcher(self.request.stopping.stop_strings)
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.request.prompt_ids
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= len(self.request.prompt_ids)
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    def add_token(self, token_id: int, now: float, logprobs: TokenLogprobs | None) -> StepOutput:
+        """Record a generated token; say what text it released and whether the sequence ends."""
+        if self.first_token_at is None:
+            self.first_token_at = now
+        self.last_token_at = now
+        self.output_ids.append(token_id)
+        self.sampler.observe(token_id)
+        if logprobs is not None:
+            self.logprobs.append(logprobs)
+        stopping = self.request.stopping
+        finish: FinishReason | None = None
+        if token_id in self.eos_token_ids and not stopping.ignore_eos:
+            finish = FinishReason.EOS
+            text = self._release(self._detokenizer.flush(), final=True)
+        else:
+            text = self._release(self._detokenizer.push(token_id), final=False)
+            if self._stopped_by_string:
+                finish = FinishReason.STOP
+            elif len(self.output_ids) >= stopping.max_new_tokens or self._context_full():
+                finish = FinishReason.LENGTH
+                text += self._release(self._detokenizer.flush(), final=True)
+        logprob_items = (logprobs,) if logprobs is not None else ()
+        return StepOutput(TokensGenerated((token_id,), text, logprob_items), finish)
+
+    def flush_text(self) -> str:
+        """Release all held-back text (the sequence is being stopped from outside)."""
+        return self._release(self._detokenizer.flush(), final=True)
+
+    def _context_full(self) -> bool:
+        return len(self.request.prompt_ids) + len(self.output_ids) >= self.context_length
+
+    def _release(self, delta: str, *, final: bool) -> str:
+        if self._stopped_by_string:
+            return ""
+        scan = self._stops.feed(delta)
+        released = scan.released
+        if scan.stopped:
+            self._stopped_by_string = True
+        elif final:
+            released += self._stops.flush()
+        self.text_parts.append(released)
+        return released
+
+    def result(self, finish: FinishReason, now: float) -> GenerationResult:
+        return GenerationResult(
+            request_id=self.request.request_id,
+            model=self.request.model,
+            text="".join(self.text_parts),
+            token_ids=tuple(self.output_ids),
+            finish_reason=finish,
+            prompt_tokens=len(self.request.prompt_ids),
+            timing=self.timing(now),
+            logprobs=tuple(self.logprobs),
+        )
+
+    def timing(self, now: float) -> TimingReport:
+        return timing_report(
+            received=self.request.received_at,
+            started=self.started_at,
+            first_token=self.first_token_at,
+            last_token=self.last_token_at,
+            finished=now,
+            tokens=len(self.output_ids),
+        )
+
+
+def timing_report(
+    *,
+    received: float,
+    started: float | None,
+    first_token: float | None,
+    last_token: float | None,
+    finished: float,
+    tokens: int,
+) -> TimingReport:
+    queued = (started if started is not None else finished) - received
+    ttft = None if first_token is None else first_token - received
+    prefill = None if first_token is None or started is None else first_token - started
+    rate = 0.0
+    per_token: float | None = None
+    if tokens > 1 and first_token is not None and last_token is not None and last_token > first_token:
+        decode_seconds = last_token - first_token
+        rate = (tokens - 1) / decode_seconds
+        per_token = decode_seconds / (tokens - 1)
+    return TimingReport(
+        queued=queued,
+        total=finished - received,
+        time_to_first_token=ttft,
+        prefill=prefill,
+        decode_tokens_per_second=rate,
+        time_per_output_token=per_token,
+    )

@@ -1,0 +1,129 @@
+"""Domain types of a generation: the validated request, the events it produces, its result."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from enum import Enum
+
+from tokenwire.server.engine.errors import GenerationError
+from tokenwire.server.sampling.params import SamplingParams
+
+
+class FinishReason(Enum):
+    LENGTH = "length"
+    EOS = "eos"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+
+
+class AbortReason(Enum):
+    """Why a live request is stopped before it finishes by itself."""
+
+    CANCELLED = "cancelled"
+    """The client asked to cancel: the request completes with FinishReason.CANCELLED."""
+    DISCONNECTED = "disconnected"
+    """The caller went away; the request is stopped and nobody hears about it."""
+    DEADLINE = "deadline"
+    """The request's deadline passed: it fails with DEADLINE_EXCEEDED."""
+    SHUTDOWN = "shutdown"
+    """The server is stopping and could not finish it: it fails with UNAVAILABLE."""
+
+
+@dataclass(frozen=True)
+class StopConditions:
+    max_new_tokens: int
+    stop_strings: tuple[str, ...] = ()
+    ignore_eos: bool = False
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """A validated request, ready for the queue. Times are monotonic seconds."""
+
+    request_id: str
+    model: str
+    prompt_ids: tuple[int, ...]
+    sampling: SamplingParams
+    stopping: StopConditions
+    received_at: float
+    logprobs: bool = False
+    top_logprobs: int = 0
+    deadline: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    token_id: int
+    token: str
+    logprob: float
+    top: tuple[tuple[int, str, float], ...] = ()
+    """(token id, text, logprob) of the most likely tokens at this position."""
+
+
+@dataclass(frozen=True)
+class TimingReport:
+    """Durations in seconds, all measured from the moment the service received the request.
+
+    A stage the request never reached (a first token, for a request cancelled in the queue) is None.
+    """
+
+    queued: float
+    total: float
+    time_to_first_token: float | None = None
+    prefill: float | None = None
+    decode_tokens_per_second: float = 0.0
+    time_per_output_token: float | None = None
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    request_id: str
+    model: str
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    prompt_tokens: int
+    timing: TimingReport
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Started:
+    queued_seconds: float
+    prompt_tokens: int
+
+
+@dataclass(frozen=True)
+class TokensGenerated:
+    token_ids: tuple[int, ...]
+    text: str
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+@dataclass(frozen=True)
+class Completed:
+    result: GenerationResult
+
+
+@dataclass(frozen=True)
+class Failed:
+    error: GenerationError
+    completion_tokens: int = 0
+
+
+EngineEvent = Started | TokensGenerated | Completed | Failed
+EventSink = Callable[[EngineEvent], None]
+"""Receives a request's events, on the event loop the engine was started with."""
+
+
+@dataclass(frozen=True)
+class RequestTicket:
+    """What submitting a request returns: the key to abort it with and its place in the queue."""
+
+    key: int
+    queue_position: int

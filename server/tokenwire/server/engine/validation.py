@@ -1,0 +1,273 @@
+"""Check a request against the model and the server's limits and resolve every default.
+
+Every problem found is reported at once, each naming the field it concerns, so a client can fix
+a request in one round trip. Field paths are relative to the GenerateRequest message.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+from dataclasses import dataclass
+
+from tokenwire.server.engine.errors import FieldViolation, GenerationError
+from tokenwire.server.engine.types import GenerationRequest, StopConditions
+from tokenwire.server.models.runner import ModelInfo
+from tokenwire.server.sampling.params import SamplingParams
+from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTemplate, ChatTemplateError, ChatTurn
+from tokenwire.server.text.tokenizer import Tokenizer
+
+MAX_TOP_LOGPROBS = 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    max_new_tokens_cap: int = 4096
+    default_max_new_tokens: int = 256
+    max_stop_strings: int = 16
+    max_stop_string_length: int = 256
+    max_request_id_length: int = 128
+    max_prompt_chars: int = 1_000_000
+    """Bound on raw prompt text, checked before tokenizing so huge inputs cost nothing."""
+    max_messages: int = 1024
+
+
+@dataclass(frozen=True)
+class RequestSpec:
+    """A request as the client sent it, before validation. None means "not set"."""
+
+    request_id: str = ""
+    model: str = ""
+    prompt: str | None = None
+    messages: tuple[ChatTurn, ...] = ()
+    token_ids: tuple[int, ...] | None = None
+    temperature: float | None = None
+    top_k: int = 0
+    top_p: float | None = None
+    min_p: float = 0.0
+    repetition_penalty: float | None = None
+    seed: int | None = None
+    max_new_tokens: int | None = None
+    stop: tuple[str, ...] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    top_logprobs: int = 0
+    timeout: float | None = None
+    """Seconds, from the moment the request was received."""
+
+
+class RequestValidator:
+    """Validates requests for one model."""
+
+    def __init__(
+        self,
+        info: ModelInfo,
+        tokenizer: Tokenizer,
+        chat_template: ChatTemplate | None,
+        limits: RequestLimits,
+    ) -> None:
+        self._info = info
+        self._tokenizer = tokenizer
+        self._chat_template = chat_template
+        self._limits = limits
+
+    def validate(
+        self,
+        spec: RequestSpec,
+        *,
+        received_at: float,
+        call_deadline: float | None = None,
+        require_request_id: bool = False,
+    ) -> GenerationRequest:
+        violations: list[FieldViolation] = []
+        violations += self._check_request_id(spec.request_id, required=require_request_id)
+        violations += self._check_input(spec)
+        violations += _check_sampling(spec)
+        violations += self._check_stopping(spec)
+        violations += _check_logprobs(spec)
+        if spec.timeout is not None and not (math.isfinite(spec.timeout) and spec.timeout > 0):
+            violations.append(FieldViolation("timeout", "must be a positive duration"))
+        if violations:
+            raise GenerationError.invalid(*violations)
+
+        prompt_ids = self._prompt_ids(spec)
+        max_new_tokens = self._max_new_tokens(spec, len(prompt_ids))
+        deadline = call_deadline
+        if spec.timeout is not None:
+            own = received_at + spec.timeout
+            deadline = own if deadline is None else min(deadline, own)
+        sampling = SamplingParams(
+            temperature=self._info.default_temperature if spec.temperature is None else spec.temperature,
+            top_k=spec.top_k,
+            top_p=1.0 if spec.top_p is None else spec.top_p,
+            min_p=spec.min_p,
+            repetition_penalty=1.0 if spec.repetition_penalty is None else spec.repetition_penalty,
+            seed=secrets.randbits(63) if spec.seed is None else spec.seed,
+        )
+        return GenerationRequest(
+            request_id=spec.request_id,
+            model=self._info.name,
+            prompt_ids=tuple(prompt_ids),
+            sampling=sampling,
+            stopping=StopConditions(max_new_tokens, tuple(spec.stop), spec.ignore_eos),
+            received_at=received_at,
+            logprobs=spec.logprobs,
+            top_logprobs=spec.top_logprobs,
+            deadline=deadline,
+        )
+
+    def _check_request_id(self, request_id: str, *, required: bool) -> list[FieldViolation]:
+        if required and not request_id:
+            return [
+                FieldViolation("request_id", "required on StreamGenerate: choose an id unique in the stream")
+            ]
+        if len(request_id) > self._limits.max_request_id_length:
+            return [
+                FieldViolation("request_id", f"longer than {self._limits.max_request_id_length} characters")
+            ]
+        return []
+
+    def _check_input(self, spec: RequestSpec) -> list[FieldViolation]:
+        given = [
+            name
+            for name, present in (
+                ("prompt", spec.prompt is not None),
+                ("messages", bool(spec.messages)),
+                ("token_ids", spec.token_ids is not None),
+            )
+            if present
+        ]
+        if not given:
+            return [FieldViolation("prompt", "exactly one of prompt, messages or token_ids is required")]
+        if len(given) > 1:
+            return [
+                FieldViolation(name, f"only one input may be set, got {' and '.join(given)}")
+                for name in given[1:]
+            ]
+        limits = self._limits
+        found: list[FieldViolation] = []
+        if spec.prompt is not None:
+            if not spec.prompt:
+                found.append(FieldViolation("prompt", "must not be empty"))
+            elif len(spec.prompt) > limits.max_prompt_chars:
+                found.append(FieldViolation("prompt", f"longer than {limits.max_prompt_chars} characters"))
+        elif spec.messages:
+            if self._chat_template is None:
+                found.append(
+                    FieldViolation(
+                        "messages",
+                        f"model {self._info.name!r} has no chat template; send prompt or token_ids",
+                    )
+                )
+            if len(spec.messages) > limits.max_messages:
+                found.append(FieldViolation("messages", f"more than {limits.max_messages} messages"))
+            for index, turn in enumerate(spec.messages):
+                if turn.role not in ALLOWED_ROLES:
+                    allowed = ", ".join(sorted(ALLOWED_ROLES))
+                    found.append(
+                        FieldViolation(
+                            f"messages[{index}].role", f"unknown role {turn.role!r}; use one of {allowed}"
+                        )
+                    )
+            total = sum(len(t.content) for t in spec.messages)
+            if total > limits.max_prompt_chars:
+                found.append(
+                    FieldViolation("messages", f"longer than {limits.max_prompt_chars} characters in all")
+                )
+        elif spec.token_ids is not None:
+            if not spec.token_ids:
+                found.append(FieldViolation("token_ids.ids", "must not be empty"))
+            vocab = self._info.vocab_size
+            bad = next((i for i, t in enumerate(spec.token_ids) if not 0 <= t < vocab), None)
+            if bad is not None:
+                found.append(
+                    FieldViolation(
+                        f"token_ids.ids[{bad}]", f"token id {spec.token_ids[bad]} is outside [0, {vocab})"
+                    )
+                )
+        return found
+
+    def _check_stopping(self, spec: RequestSpec) -> list[FieldViolation]:
+        limits = self._limits
+        found: list[FieldViolation] = []
+        if spec.max_new_tokens is not None and not 1 <= spec.max_new_tokens <= limits.max_new_tokens_cap:
+            found.append(
+                FieldViolation(
+                    "stopping.max_new_tokens",
+                    f"must be between 1 and {limits.max_new_tokens_cap}, got {spec.max_new_tokens}",
+                )
+            )
+        if len(spec.stop) > limits.max_stop_strings:
+            found.append(FieldViolation("stopping.stop", f"at most {limits.max_stop_strings} stop strings"))
+        for index, stop in enumerate(spec.stop[: limits.max_stop_strings]):
+            if not stop:
+                found.append(FieldViolation(f"stopping.stop[{index}]", "must not be empty"))
+            elif len(stop) > limits.max_stop_string_length:
+                found.append(
+                    FieldViolation(
+                        f"stopping.stop[{index}]", f"longer than {limits.max_stop_string_length} characters"
+                    )
+                )
+        return found
+
+    def _prompt_ids(self, spec: RequestSpec) -> list[int]:
+        if spec.token_ids is not None:
+            return list(spec.token_ids)
+        if spec.messages:
+            assert self._chat_template is not None
+            try:
+                text = self._chat_template.render(spec.messages, add_generation_prompt=True)
+            except ChatTemplateError as error:
+                raise GenerationError.invalid(FieldViolation("messages", str(error))) from error
+            # The template already wrote any BOS markup; don't let the tokenizer add it twice.
+            return self._tokenizer.encode(text, add_special_tokens=False)
+        assert spec.prompt is not None
+        return self._tokenizer.encode(spec.prompt)
+
+    def _max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
+        context = self._info.context_length
+        field = "prompt" if spec.prompt is not None else "messages" if spec.messages else "token_ids.ids"
+        if prompt_tokens == 0:
+            raise GenerationError.invalid(FieldViolation(field, "tokenizes to nothing"))
+        room = context - prompt_tokens
+        if room < 1:
+            raise GenerationError.invalid(
+                FieldViolation(
+                    field, f"{prompt_tokens} tokens leave no room in the context of {context} tokens"
+                )
+            )
+        if spec.max_new_tokens is None:
+            return min(self._limits.default_max_new_tokens, room)
+        if spec.max_new_tokens > room:
+            raise GenerationError.invalid(
+                FieldViolation(
+                    "stopping.max_new_tokens",
+                    f"prompt ({prompt_tokens} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds the "
+                    f"context length of {context} tokens",
+                )
+            )
+        return spec.max_new_tokens
+
+
+def _check_sampling(spec: RequestSpec) -> list[FieldViolation]:
+    found: list[FieldViolation] = []
+    if spec.temperature is not None and not (math.isfinite(spec.temperature) and spec.temperature >= 0):
+        found.append(FieldViolation("sampling.temperature", "must be a finite number >= 0 (0 means greedy)"))
+    if spec.top_k < 0:
+        found.append(FieldViolation("sampling.top_k", "must be >= 0 (0 disables top-k)"))
+    if spec.top_p is not None and not (0 < spec.top_p <= 1):
+        found.append(FieldViolation("sampling.top_p", "must be in (0, 1]"))
+    if not (0 <= spec.min_p <= 1):
+        found.append(FieldViolation("sampling.min_p", "must be in [0, 1]"))
+    penalty = spec.repetition_penalty
+    if penalty is not None and not (math.isfinite(penalty) and penalty > 0):
+        found.append(FieldViolation("sampling.repetition_penalty", "must be a finite number > 0"))
+    return found
+
+
+def _check_logprobs(spec: RequestSpec) -> list[FieldViolation]:
+    if not 0 <= spec.top_logprobs <= MAX_TOP_LOGPROBS:
+        return [FieldViolation("top_logprobs", f"must be between 0 and {MAX_TOP_LOGPROBS}")]
+    if spec.top_logprobs and not spec.logprobs:
+        return [FieldViolation("top_logprobs", "needs logprobs to be true")]
+    return []

@@ -1,0 +1,69 @@
+"""The interface between the scheduler and a model: sequences in, next-token logits out.
+
+The scheduler speaks only of sequence ids and token ids; how a runner lays out its KV cache
+(a shared buffer with one slot per sequence, or a padded batch that grows each step) stays
+inside the runner. All methods are called from the engine thread only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What the rest of the server needs to know about a loaded model."""
+
+    name: str
+    format: str
+    """"optimum" or "genai": the layout of the model's ONNX graph."""
+    vocab_size: int
+    context_length: int
+    eos_token_ids: frozenset[int]
+    max_batch_size: int
+    default_temperature: float = 0.0
+    """Temperature used when a request leaves it unset (from the model's search defaults)."""
+    execution_provider: str = "CPUExecutionProvider"
+    kv_cache_bytes: int = 0
+    """Bytes preallocated for the KV cache (0 where the cache grows on demand)."""
+    extra: dict[str, str] = field(default_factory=dict)
+
+
+class ModelRunnerError(RuntimeError):
+    """Running the model failed; the sequences of that call cannot continue."""
+
+
+class ModelRunner(Protocol):
+    """Runs prefill and batched decode steps for sequences identified by integer ids."""
+
+    @property
+    def info(self) -> ModelInfo: ...
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+        """Process prompt tokens [start, start + len(token_ids)) of a sequence.
+
+        The first call (start == 0) creates the sequence; later calls continue a prompt that is
+        processed in chunks. Returns the logits ([vocab], float32) that predict the token after
+        the last one given.
+        """
+        ...
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        """Append one token to each sequence and return next-token logits, shape [n, vocab].
+
+        Rows follow the order of `seq_ids`. The returned array may be reused by the next call:
+        consume it before calling the runner again.
+        """
+        ...
+
+    def release(self, seq_id: int) -> None:
+        """Forget a sequence and free its KV cache at once (unknown ids are ignored)."""
+        ...
+
+    def capacity(self) -> int:
+        """How many sequences can hold KV cache at the same time."""
+        ...

@@ -1,0 +1,63 @@
+"""ONNX Runtime sessions: execution provider choice and session options."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+import onnxruntime as ort
+
+log = logging.getLogger(__name__)
+
+Device = Literal["auto", "cpu", "cuda"]
+
+CPU_PROVIDER = "CPUExecutionProvider"
+CUDA_PROVIDER = "CUDAExecutionProvider"
+
+
+@dataclass(frozen=True)
+class SessionSettings:
+    device: Device = "auto"
+    intra_op_threads: int = 0
+    """Threads for one operator; 0 lets ONNX Runtime use one per physical core."""
+    device_id: int = 0
+
+
+def choose_provider(device: Device) -> str:
+    available = ort.get_available_providers()
+    if device == "cpu":
+        return CPU_PROVIDER
+    if device == "cuda":
+        if CUDA_PROVIDER not in available:
+            raise RuntimeError(
+                "--device cuda was asked for, but this ONNX Runtime has no CUDA execution provider "
+                f"(available: {', '.join(available)}); install onnxruntime-gpu"
+            )
+        return CUDA_PROVIDER
+    return CUDA_PROVIDER if CUDA_PROVIDER in available else CPU_PROVIDER
+
+
+def ort_device_name(provider: str) -> str:
+    """The device name ONNX Runtime's IO binding uses for a provider's memory."""
+    return "cuda" if provider == CUDA_PROVIDER else "cpu"
+
+
+def create_session(model_path: Path, settings: SessionSettings) -> ort.InferenceSession:
+    provider = choose_provider(settings.device)
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if settings.intra_op_threads > 0:
+        options.intra_op_num_threads = settings.intra_op_threads
+    # One model call at a time runs in the engine thread, so inter-op parallelism only adds threads.
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    providers: list[str | tuple[str, dict[str, object]]]
+    if provider == CUDA_PROVIDER:
+        providers = [(CUDA_PROVIDER, {"device_id": settings.device_id}), CPU_PROVIDER]
+    else:
+        providers = [CPU_PROVIDER]
+    session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
+    log.info("loaded %s on %s", model_path.name, session.get_providers()[0])
+    return session

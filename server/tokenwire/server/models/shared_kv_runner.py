@@ -1,0 +1,260 @@
+"""Runner for the ONNX Runtime GenAI layout: GroupQueryAttention over a shared KV buffer.
+
+Each KV tensor is one preallocated buffer [slots, kv_heads, max_len, head_dim], bound as both
+`past_key_values.N` and `present.N` so the operator writes new positions in place. Every
+sequence owns a slot and keeps its cache at positions [0, length) of it (right padding inside
+the slot); its attention-mask row sums to its cached length, which is how the operator finds
+where to write and what to read. Decoded that way every row is bit-identical to the same
+sequence decoded alone.
+
+A prompt cannot share a model call with decode rows, so prefill runs as its own batch-1 call
+bound straight onto the sequence's slot. Decode runs over the slot prefix [0, n): slots are
+handed out lowest first and, on the CPU, the highest sequence moves down into a freed slot, so
+idle rows do not cost compute.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnxruntime as ort
+
+from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
+
+_ELEMENT_TYPES: dict[str, np.dtype[np.floating]] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(float16)": np.dtype(np.float16),
+}
+
+
+@dataclass(frozen=True)
+class SharedKvLayout:
+    """The KV geometry and tensor names of a GenAI-layout decoder."""
+
+    layers: int
+    kv_heads: int
+    head_dim: int
+    kv_dtype: np.dtype[np.floating]
+    past_names: tuple[str, ...]
+    present_names: tuple[str, ...]
+    logits_dtype: np.dtype[np.floating]
+
+    @classmethod
+    def from_session(cls, session: ort.InferenceSession, genai_config: dict[str, object]) -> SharedKvLayout:
+        decoder = _section(_section(genai_config, "model"), "decoder")
+        inputs_cfg = _section(decoder, "inputs")
+        outputs_cfg = _section(decoder, "outputs")
+        layers = int(str(decoder["num_hidden_layers"]))
+        past_key = str(inputs_cfg.get("past_key_names", "past_key_values.%d.key"))
+        past_value = str(inputs_cfg.get("past_value_names", "past_key_values.%d.value"))
+        present_key = str(outputs_cfg.get("present_key_names", "present.%d.key"))
+        present_value = str(outputs_cfg.get("present_value_names", "present.%d.value"))
+        past = tuple(name % i for i in range(layers) for name in (past_key, past_value))
+        present = tuple(name % i for i in range(layers) for name in (present_key, present_value))
+        inputs = {i.name: i for i in session.get_inputs()}
+        outputs = {o.name: o for o in session.get_outputs()}
+        missing = [n for n in (*past, "input_ids", "attention_mask") if n not in inputs]
+        missing += [n for n in (*present, "logits") if n not in outputs]
+        if missing:
+            raise ValueError(f"GenAI model is missing graph inputs/outputs: {', '.join(missing)}")
+        first = inputs[past[0]]
+        kv_dtype = _ELEMENT_TYPES.get(first.type)
+        logits_dtype = _ELEMENT_TYPES.get(outputs["logits"].type)
+        if kv_dtype is None or logits_dtype is None:
+            raise ValueError(f"unsupported tensor types: KV {first.type}, logits {outputs['logits'].type}")
+        kv_heads = int(str(decoder.get("num_key_value_heads", first.shape[1])))
+        head_dim = int(str(decoder.get("head_size", first.shape[3])))
+        return cls(layers, kv_heads, head_dim, kv_dtype, past, present, logits_dtype)
+
+    def cache_bytes(self, slots: int, max_len: int) -> int:
+        """Bytes of the preallocated KV cache for `slots` sequences of up to `max_len` tokens."""
+        return 2 * self.layers * slots * self.kv_heads * max_len * self.head_dim * self.kv_dtype.itemsize
+
+
+def read_genai_config(model_dir: Path) -> dict[str, object]:
+    loaded = json.loads((model_dir / "genai_config.json").read_text())
+    if not isinstance(loaded, dict):
+        raise ValueError("genai_config.json must hold a JSON object")
+    return loaded
+
+
+def _section(config: dict[str, object], key: str) -> dict[str, object]:
+    value = config.get(key, {})
+    if not isinstance(value, dict):
+        raise ValueError(f"genai_config.json: {key!r} must be an object")
+    return value
+
+
+class _KvBuffers:
+    """The preallocated cache: one [slots, kv_heads, max_len, head_dim] buffer per KV tensor."""
+
+    def __init__(self, layout: SharedKvLayout, slots: int, max_len: int, device: str, device_id: int) -> None:
+        self.shape = (slots, layout.kv_heads, max_len, layout.head_dim)
+        self.device = device
+        self.device_id = device_id
+        self.dtype = layout.kv_dtype
+        self.slot_bytes = layout.kv_heads * max_len * layout.head_dim * layout.kv_dtype.itemsize
+        self.host: list[np.ndarray] = []
+        self.device_values: list[ort.OrtValue] = []
+        if device == "cpu":
+            # np.zeros maps pages lazily: memory is touched only as sequences fill their slots.
+            self.host = [np.zeros(self.shape, dtype=self.dtype) for _ in layout.past_names]
+            self.pointers = [int(a.ctypes.data) for a in self.host]
+        else:
+            self.device_values = [
+                ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), self.dtype, device, device_id)
+                for _ in layout.past_names
+            ]
+            self.pointers = [int(v.data_ptr()) for v in self.device_values]
+
+    def move(self, source: int, target: int, length: int) -> bool:
+        """Copy a slot's first `length` positions to another slot; False where unsupported."""
+        if self.device != "cpu":
+            return False
+        for array in self.host:
+            array[target, :, :length] = array[source, :, :length]
+        return True
+
+
+class SharedKvRunner:
+    """ModelRunner for GenAI-layout graphs with a slot per sequence in a shared KV buffer."""
+
+    def __init__(
+        self,
+        session: ort.InferenceSession,
+        info: ModelInfo,
+        layout: SharedKvLayout,
+        *,
+        slots: int,
+        max_len: int,
+        device: str,
+        device_id: int = 0,
+    ) -> None:
+        self._session = session
+        self._info = info
+        self._layout = layout
+        self._slots = slots
+        self._max_len = max_len
+        self._kv = _KvBuffers(layout, slots, max_len, device, device_id)
+        self._slot_of: dict[int, int] = {}
+        self._free: list[int] = list(range(slots))
+        heapq.heapify(self._free)
+        self._lengths = np.zeros(slots, dtype=np.int64)
+        vocab = info.vocab_size
+        self._logits = np.zeros((slots, vocab), dtype=layout.logits_dtype)
+        self._input_ids = np.zeros(slots, dtype=np.int64)
+        self._mask = np.zeros(slots * (max_len + 1), dtype=np.int64)
+        self._positions = np.arange(max_len + 1, dtype=np.int64)
+        # One binding reused for every decode step; KV and logits are rebound only when the
+        # number of rows changes (binding 60 KV tensors costs about as much as sampling).
+        self._binding = session.io_binding()
+        self._bound_rows = 0
+
+    @property
+    def info(self) -> ModelInfo:
+        return self._info
+
+    def capacity(self) -> int:
+        return self._slots
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+        if start == 0:
+            self.release(seq_id)
+            if not self._free:
+                raise ModelRunnerError("no free KV-cache slot")
+            self._slot_of[seq_id] = heapq.heappop(self._free)
+        slot = self._slot_of.get(seq_id)
+        if slot is None or int(self._lengths[slot]) != start:
+            raise ModelRunnerError(f"sequence {seq_id} continues a prefill out of order")
+        count = len(token_ids)
+        total = start + count
+        if total > self._max_len:
+            raise ModelRunnerError(f"sequence needs {total} positions; the KV cache holds {self._max_len}")
+        binding = self._session.io_binding()
+        binding.bind_cpu_input("input_ids", np.asarray(token_ids, dtype=np.int64).reshape(1, count))
+        binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
+        binding.bind_output("logits", "cpu")
+        self._bind_kv(binding, first_slot=slot, rows=1)
+        self._run(binding)
+        self._lengths[slot] = total
+        logits = binding.get_outputs()[0].numpy()
+        return np.asarray(logits[0, -1], dtype=np.float32)
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        self._compact()
+        slots = np.fromiter((self._slot_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        rows = int(self._occupied_end())
+        if np.any(self._lengths[slots] >= self._max_len):
+            raise ModelRunnerError("a sequence reached the end of its KV-cache slot")
+        # Rows of slots that are free or mid-prefill ride along with a dummy token; their mask
+        # covers their own cached length plus one, so the write lands past anything they keep.
+        ids = self._input_ids[:rows]
+        ids[:] = 0
+        ids[slots] = np.asarray(token_ids, dtype=np.int64)
+        sums = self._lengths[:rows] + 1
+        width = int(sums.max())
+        mask = self._mask[: rows * width].reshape(rows, width)
+        np.less(self._positions[:width], sums[:, np.newaxis], out=mask, casting="unsafe")
+        binding = self._binding
+        if rows != self._bound_rows:
+            binding.bind_input("input_ids", "cpu", 0, np.int64, [rows, 1], ids.ctypes.data)
+            binding.bind_output(
+                "logits",
+                "cpu",
+                0,
+                self._logits.dtype,
+                [rows, 1, self._logits.shape[1]],
+                self._logits.ctypes.data,
+            )
+            self._bind_kv(binding, first_slot=0, rows=rows)
+            self._bound_rows = rows
+        binding.bind_input("attention_mask", "cpu", 0, np.int64, [rows, width], mask.ctypes.data)
+        self._run(binding)
+        self._lengths[slots] += 1
+        return np.asarray(self._logits[slots], dtype=np.float32)
+
+    def release(self, seq_id: int) -> None:
+        slot = self._slot_of.pop(seq_id, None)
+        if slot is None:
+            return
+        self._lengths[slot] = 0
+        heapq.heappush(self._free, slot)
+
+    # -- internals -------------------------------------------------------------------------------
+
+    def _occupied_end(self) -> int:
+        return max(self._slot_of.values(), default=-1) + 1
+
+    def _compact(self) -> None:
+        """Move the highest occupied slot into the lowest free one while that shrinks the prefix."""
+        while self._free and self._free[0] < self._occupied_end() - 1:
+            seq_id, source = max(self._slot_of.items(), key=lambda item: item[1])
+            target = self._free[0]
+            if not self._kv.move(source, target, int(self._lengths[source])):
+                return
+            heapq.heappop(self._free)
+            heapq.heappush(self._free, source)
+            self._slot_of[seq_id] = target
+            self._lengths[target] = self._lengths[source]
+            self._lengths[source] = 0
+
+    def _bind_kv(self, binding: ort.IOBinding, *, first_slot: int, rows: int) -> None:
+        kv = self._kv
+        shape = [rows, *kv.shape[1:]]
+        offset = first_slot * kv.slot_bytes
+        for past, present, pointer in zip(
+            self._layout.past_names, self._layout.present_names, kv.pointers, strict=True
+        ):
+            binding.bind_input(past, kv.device, kv.device_id, kv.dtype, shape, pointer + offset)
+            binding.bind_output(present, kv.device, kv.device_id, kv.dtype, shape, pointer + offset)
+
+    def _run(self, binding: ort.IOBinding) -> None:
+        try:
+            self._session.run_with_iobinding(binding)
+        except Exception as error:
+            raise ModelRunnerError(f"model step failed: {error}") from error

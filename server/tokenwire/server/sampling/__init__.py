@@ -1,0 +1,1 @@
+"""Turning logits into tokens: greedy and seeded sampling with the usual transforms."""

@@ -1,0 +1,78 @@
+"""Shared fixtures: the project's own tiny models and a real gRPC server on a free port."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from tokenwire.client import AsyncClient
+from tokenwire.server.app import ModelWrapper, TokenwireServer
+from tokenwire.server.config import ModelSource, ServerSettings
+from tokenwire.server.engine.observer import EngineObserver
+from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GPT in the Optimum layout, with a ChatML template."""
+    return create_tiny_gpt(tmp_path_factory.mktemp("models") / "tiny-gpt", TinyGptConfig())
+
+
+@pytest.fixture(scope="session")
+def tiny_model_without_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return create_tiny_gpt(tmp_path_factory.mktemp("models") / "tiny-plain", TinyGptConfig(), chat_template=False)
+
+
+def tiny_settings(model_dir: Path, **overrides: object) -> ServerSettings:
+    settings = ServerSettings(
+        models=(ModelSource(model_dir, "tiny"),),
+        host="127.0.0.1",
+        port=0,
+        max_batch_size=4,
+        max_queue_size=8,
+        device="cpu",
+        intra_op_threads=1,
+        drain_timeout=10.0,
+    )
+    return replace(settings, **overrides)  # type: ignore[arg-type]
+
+
+ServerFactory = Callable[..., Awaitable[TokenwireServer]]
+
+
+@pytest.fixture
+async def start_server(tiny_model_dir: Path) -> AsyncIterator[ServerFactory]:
+    """Start real servers (loaded and SERVING) on free ports; all are stopped after the test."""
+    started: list[TokenwireServer] = []
+
+    async def factory(
+        *,
+        model_dir: Path | None = None,
+        observer: EngineObserver | None = None,
+        wrap_model: ModelWrapper | None = None,
+        **overrides: object,
+    ) -> TokenwireServer:
+        settings = tiny_settings(model_dir or tiny_model_dir, **overrides)
+        server = TokenwireServer(settings, observer=observer, wrap_model=wrap_model)
+        started.append(server)
+        await server.start()
+        await server.load()
+        return server
+
+    yield factory
+    for server in started:
+        await server.stop(grace=0)
+
+
+@pytest.fixture
+async def server(start_server: ServerFactory) -> TokenwireServer:
+    return await start_server()
+
+
+@pytest.fixture
+async def client(server: TokenwireServer) -> AsyncIterator[AsyncClient]:
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as connected:
+        yield connected
