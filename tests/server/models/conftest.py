@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 from gguf import GGMLQuantizationType as Q
-from llama_reference import ReferenceModel, reference_from_weights
-from synthetic_gguf import MIXED_FORMATS, SyntheticGguf, write_synthetic_gguf
 
+from tests.server.models.llama_reference import ReferenceModel, reference_from_weights
+from tests.server.models.synthetic_gguf import MIXED_FORMATS, SyntheticGguf, write_synthetic_gguf
 from tokenwire.server.models.pull import DEFAULT_MODEL, HOME_ENV, fetch_gguf, pull_model
 from tokenwire.server.models.tiny_llama import create_tiny_llama, tiny_llama_config, tiny_llama_weights
 

@@ -17,9 +17,9 @@ import gguf
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
-from llama_reference import ReferenceLayer, ReferenceModel
 from tokenizers import Tokenizer
 
+from tests.server.models.llama_reference import ReferenceLayer, ReferenceModel
 from tokenwire.server.models.tiny_tokenizer import (
     CHATML_TEMPLATE,
     END_OF_TEXT,

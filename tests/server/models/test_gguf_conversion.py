@@ -14,11 +14,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from llama_reference import forward, mean_kl
-from shared_buffer_driver import SharedBufferDriver
-from synthetic_gguf import CONTEXT, HEAD_DIM, HIDDEN, KV_HEADS, VOCAB, SyntheticGguf
 from tokenizers import Tokenizer
 
+from tests.server.models.llama_reference import forward, mean_kl
+from tests.server.models.shared_buffer_driver import SharedBufferDriver
+from tests.server.models.synthetic_gguf import CONTEXT, HEAD_DIM, HIDDEN, KV_HEADS, VOCAB, SyntheticGguf
 from tokenwire.server.models.convert import (
     GraphOptions,
     UnsupportedModelError,

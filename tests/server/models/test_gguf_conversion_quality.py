@@ -10,10 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from llama_reference import forward, mean_kl, perplexity, reference_from_gguf
-from shared_buffer_driver import SharedBufferDriver
 from tokenizers import Tokenizer
 
+from tests.server.models.llama_reference import forward, mean_kl, perplexity, reference_from_gguf
+from tests.server.models.shared_buffer_driver import SharedBufferDriver
 from tokenwire.server.models.pull import DEFAULT_MODEL, pull_model
 
 pytestmark = pytest.mark.slow

@@ -7,10 +7,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from reference_bpe import ReferenceBpe
-from synthetic_gguf import tokenizer_vocabulary
 from tokenizers import Tokenizer
 
+from tests.server.models.reference_bpe import ReferenceBpe
+from tests.server.models.synthetic_gguf import tokenizer_vocabulary
 from tokenwire.server.models.convert import read_gguf
 from tokenwire.server.models.convert.gguf_tokenizer import (
     TOKEN_CONTROL,

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
-from llama_reference import ReferenceModel, forward, mean_kl, reference_from_weights
-from shared_buffer_driver import SharedBufferDriver
 
+from tests.server.models.llama_reference import ReferenceModel, forward, mean_kl, reference_from_weights
+from tests.server.models.shared_buffer_driver import SharedBufferDriver
 from tokenwire.server.models.convert.genai_config import TokenIds, write_genai_config
 from tokenwire.server.models.convert.llama_graph import GraphOptions, build_llama_graph, save_model
 from tokenwire.server.models.convert.llama_model import LlamaWeights

@@ -8,8 +8,8 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from synthetic_gguf import SyntheticGguf
 
+from tests.server.models.synthetic_gguf import SyntheticGguf
 from tokenwire.server.models import pull
 from tokenwire.server.models.pull import KnownModel, ModelPullError, fetch_gguf, pull_model
 

@@ -8,9 +8,9 @@ from pathlib import Path
 import numpy as np
 import onnx
 import pytest
-from shared_buffer_driver import SharedBufferDriver
 from tokenizers import Tokenizer
 
+from tests.server.models.shared_buffer_driver import SharedBufferDriver
 from tokenwire.server.models.tiny_llama import create_tiny_llama
 from tokenwire.server.models.tiny_tokenizer import CHATML_TEMPLATE, END_OF_TEXT, TURN_END
 

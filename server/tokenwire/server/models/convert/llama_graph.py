@@ -62,20 +62,6 @@ class GraphOptions:
     offsets: Literal["folded", "float"] = "folded"
 
 
-def input_names(num_layers: int) -> list[str]:
-    names = ["input_ids", "attention_mask"]
-    for layer in range(num_layers):
-        names += [f"past_key_values.{layer}.key", f"past_key_values.{layer}.value"]
-    return names
-
-
-def output_names(num_layers: int) -> list[str]:
-    names = ["logits"]
-    for layer in range(num_layers):
-        names += [f"present.{layer}.key", f"present.{layer}.value"]
-    return names
-
-
 def rotary_caches(
     config: LlamaConfig, freq_factors: NDArray[np.float32] | None
 ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
