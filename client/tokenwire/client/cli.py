@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
+from tokenwire.client.bench import cli as bench_cli
 from tokenwire.client.channel import Tls
 from tokenwire.client.errors import TokenwireError
 from tokenwire.client.sync import Client
@@ -56,6 +57,7 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     models = commands.add_parser("models", help="list the models a server serves")
     _add_connection_flags(models)
     models.set_defaults(handler=run_models)
+    bench_cli.add_command(commands)
 
 
 def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
