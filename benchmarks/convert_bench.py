@@ -212,13 +212,51 @@ def child_float_reference(gguf: Path, out_dir: Path, converted: Path) -> None:
     print(json.dumps({"ok": True}))
 
 
-def child_hf_config(gguf: Path, hf_dir: Path, converted: Path) -> None:
-    """A Hugging Face config.json (+ tokenizer files) describing the GGUF, for the GenAI builder."""
+def write_safetensors(path: Path, tensors: dict[str, np.ndarray]) -> None:
+    """The safetensors format: a little-endian u64 header size, a JSON header, then raw data."""
+    header: dict[str, Any] = {}
+    offset = 0
+    for name, array in tensors.items():
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(array.shape),
+            "data_offsets": [offset, offset + array.nbytes],
+        }
+        offset += array.nbytes
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as file:
+        file.write(len(encoded).to_bytes(8, "little"))
+        file.write(encoded)
+        for array in tensors.values():
+            file.write(np.ascontiguousarray(array, dtype="<f4").tobytes())
+
+
+def child_hf_checkpoint(gguf: Path, hf_dir: Path, converted: Path) -> None:
+    """The GGUF's weights dequantized to float32 as a Hugging Face Llama checkpoint.
+
+    ONNX Runtime GenAI's builder reads only float GGUF tensors, so it gets this checkpoint and
+    quantizes it to int4 itself: dequantize, then requantize.
+    """
     from tokenwire.server.models.convert import read_gguf
+    from tokenwire.server.models.convert.llama_model import dequantized
 
     source = read_gguf(gguf)
-    c, vocab = source.config, source.vocabulary
+    c, vocab, w = source.config, source.vocabulary, source.weights
     hf_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {"model.embed_tokens.weight": dequantized(w.embed_tokens)}
+    for i, layer in enumerate(w.layers):
+        p = f"model.layers.{i}."
+        tensors[p + "input_layernorm.weight"] = layer.attn_norm
+        tensors[p + "post_attention_layernorm.weight"] = layer.ffn_norm
+        for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            tensors[p + f"self_attn.{name}.weight"] = dequantized(getattr(layer, name))
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            tensors[p + f"mlp.{name}.weight"] = dequantized(getattr(layer, name))
+    tensors["model.norm.weight"] = w.final_norm
+    if w.lm_head is not None:
+        tensors["lm_head.weight"] = dequantized(w.lm_head)
+    write_safetensors(hf_dir / "model.safetensors", tensors)
     config = {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -232,7 +270,7 @@ def child_hf_config(gguf: Path, hf_dir: Path, converted: Path) -> None:
         "rope_theta": c.rope_theta,
         "max_position_embeddings": c.context_length,
         "vocab_size": c.vocab_size,
-        "tie_word_embeddings": source.weights.lm_head is None,
+        "tie_word_embeddings": w.lm_head is None,
         "hidden_act": "silu",
         "bos_token_id": vocab.bos_token_id,
         "eos_token_id": vocab.eos_token_id,
@@ -282,8 +320,8 @@ def build_genai(
     if not args.genai_python:
         result.skipped = "no --genai-python given (a venv with onnxruntime-genai, torch, transformers)"
         return None
-    hf_dir = work / "hf-config"
-    run_child([sys.executable, __file__, "_hf-config", str(gguf), str(hf_dir), str(converted)])
+    hf_dir = work / "hf-checkpoint"
+    run_child([sys.executable, __file__, "_hf-checkpoint", str(gguf), str(hf_dir), str(converted)])
     out_dir = work / "genai-builder"
     shutil.rmtree(out_dir, ignore_errors=True)
     command = [
@@ -293,7 +331,7 @@ def build_genai(
         "-m",
         str(hf_dir),
         "-i",
-        str(gguf),
+        str(hf_dir),
     ]
     command += ["-o", str(out_dir), "-p", "int4", "-e", "cpu", "-c", str(work / "genai-cache")]
     command += ["--extra_options", "int4_accuracy_level=4"]
@@ -420,7 +458,7 @@ def main() -> None:
         measure_onnx(half, half_dir, ids, reference_logits, args)
         results.append(half)
 
-    builder = Result("ONNX Runtime GenAI builder (-p int4 -e cpu, from the same GGUF)")
+    builder = Result("ONNX Runtime GenAI builder (-p int4 -e cpu, from the dequantized GGUF)")
     builder_dir = build_genai(args, gguf, converted, work, builder)
     if builder_dir is not None:
         measure_onnx(builder, builder_dir, ids, reference_logits, args)
@@ -452,8 +490,8 @@ if __name__ == "__main__":
             child_convert(Path(rest[0]), Path(rest[1]), rest[2])
         elif command == "_reference":
             child_float_reference(Path(rest[0]), Path(rest[1]), Path(rest[2]))
-        elif command == "_hf-config":
-            child_hf_config(Path(rest[0]), Path(rest[1]), Path(rest[2]))
+        elif command == "_hf-checkpoint":
+            child_hf_checkpoint(Path(rest[0]), Path(rest[1]), Path(rest[2]))
         elif command == "_llamacpp":
             child_llamacpp(
                 Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5])

@@ -112,6 +112,7 @@ def write_synthetic_gguf(
     head: Q | None = None,
     seed: int = 0,
     pre: str = "gpt2",
+    tokenizer_model: str = "gpt2",
 ) -> SyntheticGguf:
     """A 2-layer Llama GGUF; `head` None ties the output layer to the embedding."""
     rng = np.random.default_rng(seed)
@@ -131,7 +132,7 @@ def write_synthetic_gguf(
     writer.add_layer_norm_rms_eps(RMS_EPS)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_vocab_size(VOCAB)
-    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_model(tokenizer_model)
     writer.add_tokenizer_pre(pre)
     writer.add_token_list(tokens)
     writer.add_token_types(types)

@@ -18,7 +18,16 @@ from tokenizers import Tokenizer
 
 from tests.server.models.llama_reference import forward, mean_kl
 from tests.server.models.shared_buffer_driver import SharedBufferDriver
-from tests.server.models.synthetic_gguf import CONTEXT, HEAD_DIM, HIDDEN, KV_HEADS, VOCAB, SyntheticGguf
+from tests.server.models.synthetic_gguf import (
+    CONTEXT,
+    HEAD_DIM,
+    HIDDEN,
+    KV_HEADS,
+    MIXED_FORMATS,
+    VOCAB,
+    SyntheticGguf,
+    write_synthetic_gguf,
+)
 from tokenwire.server.models.convert import (
     GraphOptions,
     UnsupportedModelError,
@@ -26,6 +35,7 @@ from tokenwire.server.models.convert import (
     convert_gguf,
     read_gguf,
 )
+from tokenwire.server.models.convert.gguf_tokenizer import UnsupportedTokenizerError
 from tokenwire.server.models.convert.llama_graph import save_model
 from tokenwire.server.models.tiny_tokenizer import CHATML_TEMPLATE, END_OF_TEXT, TURN_END, TURN_START
 
@@ -205,6 +215,14 @@ def test_rejects_other_architectures(tmp_path: Path) -> None:
     writer.close()
     with pytest.raises(UnsupportedModelError, match="gpt2"):
         convert_gguf(path, tmp_path / "out")
+
+
+def test_rejects_a_vocabulary_it_cannot_rebuild_before_converting_weights(tmp_path: Path) -> None:
+    path = tmp_path / "spm.gguf"
+    write_synthetic_gguf(path, formats=MIXED_FORMATS, tokenizer_model="llama")
+    with pytest.raises(UnsupportedTokenizerError, match="byte-level"):
+        convert_gguf(path, tmp_path / "out")
+    assert not (tmp_path / "out" / "model.onnx").exists()
 
 
 def test_rejects_unknown_dtype(mixed_gguf: SyntheticGguf, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ ProgressCallback = Callable[[str, float], None]
 CONVERSION_INFO_FILENAME = "conversion.json"
 
 # Rough share of conversion time per stage, so progress bars move evenly.
-_STAGES = (("read GGUF", 0.0), ("build graph", 0.3), ("write model", 0.6), ("write tokenizer", 0.9))
+_STAGES = (("read GGUF", 0.0), ("write tokenizer", 0.3), ("build graph", 0.35), ("write model", 0.65))
 
 
 def convert_gguf(
@@ -52,13 +52,9 @@ def convert_gguf(
     started = time.perf_counter()
     report(0)
     source = read_gguf(gguf_path)
+    # The tokenizer first: a vocabulary it cannot rebuild fails before the slow stages.
     report(1)
-    model = build_llama_graph(source.config, source.weights, GraphOptions(dtype=activation))
-    report(2)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_model(model, out_dir / MODEL_FILENAME, external_data=True)
-    del model
-    report(3)
     vocab = source.vocabulary
     write_gguf_tokenizer_files(out_dir, vocab, model_max_length=source.config.context_length)
     eos = vocab.end_token_ids()
@@ -66,6 +62,11 @@ def convert_gguf(
         raise ValueError("the GGUF vocabulary names no end-of-sequence token")
     bos = vocab.bos_token_id if vocab.bos_token_id is not None else eos[0]
     pad = vocab.pad_token_id if vocab.pad_token_id is not None else eos[0]
+    report(2)
+    model = build_llama_graph(source.config, source.weights, GraphOptions(dtype=activation))
+    report(3)
+    save_model(model, out_dir / MODEL_FILENAME, external_data=True)
+    del model
     write_genai_config(out_dir, source.config, TokenIds(bos=bos, eos=eos, pad=pad), dtype=dtype)
     info = {
         "source": gguf_path.name,
