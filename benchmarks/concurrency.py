@@ -1,0 +1,180 @@
+"""tokenwire at rising concurrency against raw batched ONNX Runtime at the same batch size.
+
+Each level is one wave: N requests (100-token prompts, 128 greedy new tokens) sent at once to a
+server with 16 slots, driven by `tokenwire bench`'s own load generator; the raw side prefills the
+same number of prompts and decodes them as one batch in this process. tokenwire and raw take
+turns (who goes first alternates) and each figure is the median over the repetitions.
+
+Also measured per level: the server's peak RSS, and its CPU cost per streamed token beyond ONNX
+Runtime: (server process CPU time - raw loop CPU time for the same work) / tokens.
+
+    python benchmarks/concurrency.py [--levels 1,2,4,8,16] [--repetitions 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from typing import Any
+
+import benchkit
+from benchkit import NEW_TOKENS, PROMPT_TOKENS, THREADS, median
+from ort_loop import RawLoop, generate
+
+from tokenwire.client.bench import BenchConfig, LengthDistribution, LoadLevel, run_bench
+
+
+def tokenwire_wave(server: benchkit.ServerProcess, streams: int) -> dict[str, Any]:
+    config = BenchConfig(
+        target=server.target,
+        levels=(LoadLevel("concurrency", streams),),
+        prompt_tokens=LengthDistribution(PROMPT_TOKENS, PROMPT_TOKENS),
+        max_new_tokens=LengthDistribution(NEW_TOKENS, NEW_TOKENS),
+        requests=streams,
+        seed=streams,
+    )
+    cpu_before = benchkit.cpu_seconds(server.pid)
+    client_cpu_before = time.process_time()
+    with benchkit.PeakRss(server.pid) as rss:
+        report = asyncio.run(run_bench(config))
+    level = report.levels[0]
+    assert level.completed == streams, f"{level.rejected} rejected, {level.failed} failed"
+    assert level.time_to_first_token is not None
+    assert level.inter_token_latency is not None
+    assert level.server_queued is not None
+    return {
+        "tokens_per_second": level.output_tokens_per_second,
+        "ttft_p50": level.time_to_first_token.p50,
+        "ttft_p99": level.time_to_first_token.p99,
+        "queued_p50": level.server_queued.p50,
+        "queued_p99": level.server_queued.p99,
+        "itl_p50": level.inter_token_latency.p50,
+        "itl_p99": level.inter_token_latency.p99,
+        "server_cpu": benchkit.cpu_seconds(server.pid) - cpu_before,
+        "client_cpu": time.process_time() - client_cpu_before,
+        "peak_rss": rss.peak,
+        "tokens": level.output_tokens,
+    }
+
+
+def raw_wave(raw: RawLoop, prompts: list[list[int]]) -> dict[str, Any]:
+    raw.run_seconds = 0.0
+    run = generate(raw, prompts, NEW_TOKENS)
+    return {
+        "tokens_per_second": run["tokens"] / run["total"],
+        "decode_tokens_per_second": len(prompts) * (NEW_TOKENS - 1) / run["decode"],
+        "cpu": run["cpu"],
+        "run_seconds": raw.run_seconds,
+        "total": run["total"],
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--levels", default="1,2,4,8,16")
+    parser.add_argument("--repetitions", type=int, default=3)
+    args = parser.parse_args()
+    levels = [int(v) for v in args.levels.split(",")]
+
+    directory = benchkit.model_dir()
+    slots = max(levels)
+    raw = RawLoop(directory, threads=THREADS, slots=slots, max_len=PROMPT_TOKENS + NEW_TOKENS + 1)
+    prompts = [benchkit.prompt_ids(directory, offset=7 * i) for i in range(slots)]
+    tokenwire: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
+    raws: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
+    with benchkit.ServerProcess(directory, max_batch_size=slots) as server:
+        idle_rss = benchkit.rss_bytes(server.pid)
+        tokenwire_wave(server, 2)  # warm-up
+        raw_wave(raw, prompts[:2])
+        for repetition in range(args.repetitions):
+            for streams in levels:
+                turns = [
+                    lambda n=streams: tokenwire[n].append(tokenwire_wave(server, n)),
+                    lambda n=streams: raws[n].append(raw_wave(raw, prompts[:n])),
+                ]
+                for turn in turns if repetition % 2 == 0 else turns[::-1]:
+                    turn()
+        kv_line = server.kv_cache_line()
+
+    rows = []
+    for n in levels:
+        tw, rw = tokenwire[n], raws[n]
+        tw_rate = median([r["tokens_per_second"] for r in tw])
+        raw_rate = median([r["tokens_per_second"] for r in rw])
+        overhead = median([(t["server_cpu"] - r["cpu"]) / t["tokens"] for t, r in zip(tw, rw, strict=True)])
+        rows.append(
+            [
+                n,
+                tw_rate,
+                raw_rate,
+                f"{tw_rate / raw_rate:.2f}",
+                median([r["ttft_p50"] for r in tw]) * 1000,
+                median([r["ttft_p99"] for r in tw]) * 1000,
+                median([r["queued_p99"] for r in tw]) * 1000,
+                median([r["itl_p50"] for r in tw]) * 1000,
+                median([r["itl_p99"] for r in tw]) * 1000,
+                median([r["server_cpu"] / r["tokens"] for r in tw]) * 1e6,
+                median([r["cpu"] / (n * NEW_TOKENS) for r in rw]) * 1e6,
+                overhead * 1e6,
+                median([r["client_cpu"] / r["tokens"] for r in tw]) * 1e6,
+                median([r["peak_rss"] for r in tw]) / 2**20,
+            ]
+        )
+    print(
+        f"\n## Concurrency: {PROMPT_TOKENS}-token prompts, {NEW_TOKENS} new tokens each, one wave per level, "
+        f"{THREADS} threads, median of {args.repetitions}\n"
+    )
+    columns = [
+        "streams",
+        "tokenwire tok/s",
+        "raw ORT tok/s",
+        "ratio",
+        "TTFT p50 ms",
+        "TTFT p99 ms",
+        "queued p99 ms",
+        "ITL p50 ms",
+        "ITL p99 ms",
+        "server CPU µs/token",
+        "raw ORT CPU µs/token",
+        "server overhead µs/token",
+        "client CPU µs/token",
+        "server peak RSS MiB",
+    ]
+    print(benchkit.markdown_table(columns, rows))
+    print(f"\nserver RSS at idle after loading: {idle_rss / 2**20:.0f} MiB; {kv_line}")
+
+    single = median([r["tokens_per_second"] for r in tokenwire[levels[0]]]) if levels[0] == 1 else None
+    target_rows = []
+    for n in (8, 16):
+        if n not in tokenwire:
+            continue
+        tw_rate = median([r["tokens_per_second"] for r in tokenwire[n]])
+        ratio = tw_rate / median([r["tokens_per_second"] for r in raws[n]])
+        target_rows.append(
+            [f"{n} streams >= 0.9x raw batched ORT", "met" if ratio >= 0.9 else "missed", f"{ratio:.2f}x"]
+        )
+        if single:
+            scale = tw_rate / single
+            target_rows.append(
+                [f"{n} streams >= 2x one stream", "met" if scale >= 2 else "missed", f"{scale:.2f}x"]
+            )
+    print("\n## Targets\n")
+    print(benchkit.markdown_table(["target", "result", "measured"], target_rows))
+    path = benchkit.save_results(
+        "concurrency",
+        {
+            "repetitions": args.repetitions,
+            "tokenwire": {str(k): v for k, v in tokenwire.items()},
+            "raw": {str(k): v for k, v in raws.items()},
+            "idle_rss": idle_rss,
+            "kv_cache": kv_line,
+        },
+    )
+    print(f"\nwrote {path.relative_to(benchkit.REPO)}")
+
+
+if __name__ == "__main__":
+    main()
