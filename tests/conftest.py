@@ -23,7 +23,9 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_model_without_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return create_tiny_gpt(tmp_path_factory.mktemp("models") / "tiny-plain", TinyGptConfig(), chat_template=False)
+    return create_tiny_gpt(
+        tmp_path_factory.mktemp("models") / "tiny-plain", TinyGptConfig(), chat_template=False
+    )
 
 
 def tiny_settings(model_dir: Path, **overrides: object) -> ServerSettings:

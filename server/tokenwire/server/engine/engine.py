@@ -271,6 +271,9 @@ class Engine:
             return True
         self._admit()
         self._run_prefill()
+        # First tokens go out now rather than after the decode step: that step's time is not
+        # part of these requests' time to first token.
+        self._flush()
         self._run_decode()
         self._report_occupancy()
         self._flush()
@@ -553,7 +556,7 @@ class Engine:
         batch, self._outbox = self._outbox, []
         with self._lock:
             idle = not self._inbox.live
-        if loop is None or (not batch and not idle):
+        if loop is None or not batch:
             return
         # A closed event loop means nobody is listening any more.
         with contextlib.suppress(RuntimeError):
