@@ -119,7 +119,23 @@ _CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 def cpu_seconds(pid: int) -> float:
     """User + system CPU time of a process, all its threads together."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return _stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, tuple[str, float]]:
+    """Per thread id of a process: its kernel name and CPU seconds."""
+    threads: dict[int, tuple[str, float]] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            threads[int(task.name)] = ((task / "comm").read_text().strip(), _stat_cpu_seconds(task / "stat"))
+        except OSError:  # the thread ended while being read
+            continue
+    return threads
+
+
+def _stat_cpu_seconds(stat: Path) -> float:
+    # Fields after the parenthesised command name; utime and stime are the 14th and 15th overall.
+    fields = stat.read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
