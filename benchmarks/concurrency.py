@@ -91,12 +91,12 @@ def main() -> None:
         raw_wave(raw, prompts[:2])
         for repetition in range(args.repetitions):
             for streams in levels:
-                turns = [
-                    lambda n=streams: tokenwire[n].append(tokenwire_wave(server, n)),
-                    lambda n=streams: raws[n].append(raw_wave(raw, prompts[:n])),
-                ]
-                for turn in turns if repetition % 2 == 0 else turns[::-1]:
-                    turn()
+                first, second = "tokenwire", "raw"
+                for side in (first, second) if repetition % 2 == 0 else (second, first):
+                    if side == "tokenwire":
+                        tokenwire[streams].append(tokenwire_wave(server, streams))
+                    else:
+                        raws[streams].append(raw_wave(raw, prompts[:streams]))
         kv_line = server.kv_cache_line()
 
     rows = []

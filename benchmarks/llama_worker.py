@@ -9,13 +9,16 @@ imported here.
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
 from typing import Any
 
+llama_cpp: Any
 try:
-    import llama_cpp
+    # Imported by name: this file is type-checked where llama-cpp-python is not installed.
+    llama_cpp = importlib.import_module("llama_cpp")
 except ImportError:  # reported to the driver, which skips these figures
     llama_cpp = None
 

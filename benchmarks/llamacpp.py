@@ -179,15 +179,21 @@ def main() -> None:
     }
     with benchkit.ServerProcess(directory, max_batch_size=max(levels)) as server:
         with benchkit.Worker(python, HERE / "llama_worker.py", str(gguf), str(THREADS)) as worker:
-            turns = [
-                ("llama", lambda: worker.call(op="generate", ids=ids, new_tokens=NEW_TOKENS)["token_times"]),
-                ("tokenwire", lambda: benchkit.run_streams(server.target, [ids], NEW_TOKENS)[0].token_times),
-            ]
-            for _, run in turns:
-                run()  # warm-up
+
+            def one_stream(name: str) -> list[float]:
+                if name == "llama":
+                    times: list[float] = worker.call(op="generate", ids=ids, new_tokens=NEW_TOKENS)[
+                        "token_times"
+                    ]
+                    return times
+                return benchkit.run_streams(server.target, [ids], NEW_TOKENS)[0].token_times
+
+            order = ("llama", "tokenwire")
+            for name in order:
+                one_stream(name)  # warm-up
             for repetition in range(args.repetitions):
-                for name, run in turns if repetition % 2 == 0 else turns[::-1]:
-                    times = run()
+                for name in order if repetition % 2 == 0 else order[::-1]:
+                    times = one_stream(name)
                     single[name].append(
                         {
                             "ttft": times[0],
@@ -199,12 +205,13 @@ def main() -> None:
             llama_wave(port, text, 1)  # warm-up
             for repetition in range(args.repetitions):
                 for n in levels:
-                    pair = [
-                        ("llama", lambda n=n: llama_wave(port, text, n)),
-                        ("tokenwire", lambda n=n: tokenwire_wave(server.target, ids, n)),
-                    ]
-                    for name, run in pair if repetition % 2 == 0 else pair[::-1]:
-                        waves[name][n].append(run())
+                    for name in order if repetition % 2 == 0 else order[::-1]:
+                        wave = (
+                            llama_wave(port, text, n)
+                            if name == "llama"
+                            else tokenwire_wave(server.target, ids, n)
+                        )
+                        waves[name][n].append(wave)
     _report(single, waves, levels, args.repetitions)
 
 

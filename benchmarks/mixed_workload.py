@@ -67,7 +67,7 @@ def main() -> None:
         if genai is not None:
             genai.close()
 
-    rows = []
+    rows: list[list[object]] = []
     for name, label in (
         ("tokenwire", "tokenwire (4 streams over gRPC)"),
         ("genai", "ONNX Runtime GenAI Engine"),

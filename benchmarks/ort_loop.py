@@ -92,7 +92,8 @@ class RawLoop:
         binding.bind_input("attention_mask", "cpu", 0, np.int64, [rows, width], mask.ctypes.data)
         self._run(binding)
         self.lengths[:rows] += 1
-        return self.logits[:rows, 0].argmax(axis=-1)
+        next_tokens: np.ndarray = self.logits[:rows, 0].argmax(axis=-1)
+        return next_tokens
 
 
 def generate(loop: RawLoop, prompts: list[list[int]], new_tokens: int) -> dict[str, float]:

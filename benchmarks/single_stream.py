@@ -105,7 +105,7 @@ def _report(
     }
     reference = "genai" if results["genai"] else "raw"
     reference_rate = median([r["decode_rate"] for r in results[reference]])
-    rows = []
+    rows: list[list[object]] = []
     for key, label in names.items():
         runs = results[key]
         if not runs:
