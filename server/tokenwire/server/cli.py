@@ -252,3 +252,7 @@ def _create_tiny(args: argparse.Namespace) -> int:
         path = create_tiny_gpt(args.out_dir, config, chat_template=not args.no_chat_template)
     print(path)
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,152 @@
+"""SIGTERM drains a real server process: live work finishes, new work is refused, exit 0."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from tests.support.events import Transcript, read_until
+from tokenwire.client import (
+    AsyncClient,
+    Completed,
+    Failed,
+    GenerateOptions,
+    Sampling,
+    Stopping,
+    TokenwireError,
+)
+from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
+
+LONG = GenerateOptions(
+    sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=1000, ignore_eos=True)
+)
+
+
+@pytest.fixture(scope="module")
+def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    config = TinyGptConfig(layers=2, hidden=128, heads=4, context_length=1100, seed=5)
+    return create_tiny_gpt(tmp_path_factory.mktemp("models") / "long", config)
+
+
+def start_process(model_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.server.cli",
+            "serve",
+            "--model",
+            str(model_dir),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--intra-op-threads",
+            "1",
+            *extra,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert process.stdout is not None
+    for line in process.stdout:
+        if "serving on" in line:
+            return process, int(line.rsplit(":", 1)[1])
+    raise AssertionError(f"server exited with {process.wait()} before serving")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for process in started:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
+async def wait_not_serving(port: int) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        watch = stub.Watch(health_pb2.HealthCheckRequest())
+        async for update in watch:
+            if update.status == health_pb2.HealthCheckResponse.NOT_SERVING:
+                watch.cancel()
+                return
+
+
+async def start_long_generation(client: AsyncClient) -> tuple[AsyncIterator[object], Transcript, object]:
+    stream = client.open_stream()
+    await stream.submit("long", "A long answer", LONG)
+    await stream.close_requests()
+    events = stream.events()
+    transcript = Transcript()
+    await read_until(events, transcript, lambda t: len(t.chunks("long")) >= 1)
+    return events, transcript, stream  # type: ignore[return-value]
+
+
+async def test_sigterm_finishes_live_work_refuses_new_work_and_exits_zero(
+    long_context_model: Path, processes: list[subprocess.Popen[str]]
+) -> None:
+    process, port = start_process(long_context_model, "--drain-timeout", "60")
+    processes.append(process)
+    async with AsyncClient(f"127.0.0.1:{port}", retries=False) as client:
+        events, transcript, _stream = await start_long_generation(client)
+        process.send_signal(signal.SIGTERM)
+        await wait_not_serving(port)
+        with pytest.raises(TokenwireError) as refused:
+            await client.generate("new work", LONG)
+        async for event in events:
+            transcript.add(event)  # type: ignore[arg-type]
+    assert refused.value.code is grpc.StatusCode.UNAVAILABLE
+    assert refused.value.reason == "DRAINING"
+    final = transcript.final("long")
+    assert isinstance(final, Completed) and final.generation.completion_tokens == 1000
+    assert len(transcript.tokens("long")) == 1000
+    assert await asyncio.to_thread(process.wait, 30) == 0
+
+
+async def test_drain_timeout_fails_what_is_left_with_unavailable_and_exits_zero(
+    long_context_model: Path, processes: list[subprocess.Popen[str]]
+) -> None:
+    process, port = start_process(long_context_model, "--drain-timeout", "0.2")
+    processes.append(process)
+    async with AsyncClient(f"127.0.0.1:{port}", retries=False) as client:
+        events, transcript, _stream = await start_long_generation(client)
+        process.send_signal(signal.SIGTERM)
+        async for event in events:
+            transcript.add(event)  # type: ignore[arg-type]
+    final = transcript.final("long")
+    assert isinstance(final, Failed)
+    assert final.error.code is grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    assert len(transcript.tokens("long")) < 1000
+    assert await asyncio.to_thread(process.wait, 30) == 0
+
+
+async def test_second_signal_exits_at_once(
+    long_context_model: Path, processes: list[subprocess.Popen[str]]
+) -> None:
+    process, port = start_process(long_context_model, "--drain-timeout", "60")
+    processes.append(process)
+    async with AsyncClient(f"127.0.0.1:{port}", retries=False) as client:
+        events, transcript, _stream = await start_long_generation(client)
+        process.send_signal(signal.SIGTERM)
+        await wait_not_serving(port)
+        process.send_signal(signal.SIGTERM)
+        code = await asyncio.to_thread(process.wait, 10)
+        with pytest.raises(TokenwireError):
+            async for event in events:
+                transcript.add(event)  # type: ignore[arg-type]
+    assert code == 128 + signal.SIGTERM
+    assert not transcript.finished("long")
