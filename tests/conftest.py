@@ -13,12 +13,19 @@ from tokenwire.server.app import ModelWrapper, TokenwireServer
 from tokenwire.server.config import ModelSource, ServerSettings
 from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
+from tokenwire.server.models.tiny_llama import create_tiny_llama
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny GPT in the Optimum layout, with a ChatML template."""
     return create_tiny_gpt(tmp_path_factory.mktemp("models") / "tiny-gpt", TinyGptConfig())
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny Llama in the ONNX Runtime GenAI layout (GroupQueryAttention, shared KV buffer)."""
+    return create_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
 
 
 @pytest.fixture(scope="session")
@@ -45,8 +52,19 @@ def tiny_settings(model_dir: Path, **overrides: object) -> ServerSettings:
 ServerFactory = Callable[..., Awaitable[TokenwireServer]]
 
 
+@pytest.fixture(params=["optimum", "genai"])
+def model_layout(request: pytest.FixtureRequest) -> str:
+    """Server tests run once per model layout: both runners must behave identically."""
+    return str(request.param)
+
+
 @pytest.fixture
-async def start_server(tiny_model_dir: Path) -> AsyncIterator[ServerFactory]:
+def default_model_dir(model_layout: str, tiny_model_dir: Path, tiny_llama_dir: Path) -> Path:
+    return tiny_model_dir if model_layout == "optimum" else tiny_llama_dir
+
+
+@pytest.fixture
+async def start_server(default_model_dir: Path) -> AsyncIterator[ServerFactory]:
     """Start real servers (loaded and SERVING) on free ports; all are stopped after the test."""
     started: list[TokenwireServer] = []
 
@@ -57,7 +75,7 @@ async def start_server(tiny_model_dir: Path) -> AsyncIterator[ServerFactory]:
         wrap_model: ModelWrapper | None = None,
         **overrides: object,
     ) -> TokenwireServer:
-        settings = tiny_settings(model_dir or tiny_model_dir, **overrides)
+        settings = tiny_settings(model_dir or default_model_dir, **overrides)
         server = TokenwireServer(settings, observer=observer, wrap_model=wrap_model)
         started.append(server)
         await server.start()

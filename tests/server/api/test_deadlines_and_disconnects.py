@@ -141,14 +141,16 @@ async def test_client_cancelling_the_stream_stops_all_its_generations(
         gate.allow(2)
         await read_until(events, transcript, lambda t: len(t.chunks("x")) >= 2 and len(t.chunks("y")) >= 2)
         stream.cancel_all()
+    while engine.stats.abort_requests < 2:  # the server notices the cancelled call
+        await asyncio.sleep(0.005)
     steps_at_cancel = engine.stats.decode_steps
     gate.open()
     assert await engine.wait_idle(5)
     assert engine.stats.aborted == 2
     assert engine.stats.max_abort_latency_steps <= 1
     assert engine.stats.orphaned_steps == 0
-    # Far fewer steps ran than the 150 tokens each asked for.
-    assert engine.stats.decode_steps - steps_at_cancel < 20
+    # The step held at the gate when the abort arrived may finish; no other step runs.
+    assert engine.stats.decode_steps - steps_at_cancel <= 1
 
 
 async def test_client_cancelling_a_unary_call_frees_the_slot(

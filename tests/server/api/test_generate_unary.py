@@ -103,7 +103,7 @@ async def test_logprobs_are_log_probabilities_of_the_chosen_tokens(client: Async
         assert item.top[0][2] >= item.top[1][2] >= item.top[2][2]
 
 
-async def test_list_models_describes_the_served_model(client: AsyncClient) -> None:
+async def test_list_models_describes_the_served_model(client: AsyncClient, model_layout: str) -> None:
     models = await client.list_models()
     assert len(models) == 1
     tiny = models[0]
@@ -111,4 +111,4 @@ async def test_list_models_describes_the_served_model(client: AsyncClient) -> No
     assert tiny.is_default and tiny.has_chat_template
     assert tiny.context_length == 256
     assert tiny.vocab_size == 512
-    assert tiny.format == "optimum"
+    assert tiny.format == model_layout

@@ -67,6 +67,8 @@ class EngineStats:
 
     decode_steps: int = 0
     decoded_rows: int = 0
+    abort_requests: int = 0
+    """Aborts received for live requests (cancel, disconnect, deadline, shutdown)."""
     prefill_chunks: int = 0
     finished: int = 0
     aborted: int = 0
@@ -188,6 +190,7 @@ class Engine:
                 return
             self._inbox.aborts.append((key, reason))
             self._abort_step.setdefault(key, self.stats.decode_steps)
+            self.stats.abort_requests += 1
             self._wakeup.notify()
 
     def stop_accepting(self) -> None:
