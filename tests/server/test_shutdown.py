@@ -86,6 +86,11 @@ async def wait_not_serving(port: int) -> None:
                 return
 
 
+async def drain_into(events: AsyncIterator[object], transcript: Transcript) -> None:
+    async for event in events:
+        transcript.add(event)  # type: ignore[arg-type]
+
+
 async def start_long_generation(client: AsyncClient) -> tuple[AsyncIterator[object], Transcript, object]:
     stream = client.open_stream()
     await stream.submit("long", "A long answer", LONG)
@@ -146,7 +151,6 @@ async def test_second_signal_exits_at_once(
         process.send_signal(signal.SIGTERM)
         code = await asyncio.to_thread(process.wait, 10)
         with pytest.raises(TokenwireError):
-            async for event in events:
-                transcript.add(event)  # type: ignore[arg-type]
+            await drain_into(events, transcript)
     assert code == 128 + signal.SIGTERM
     assert not transcript.finished("long")

@@ -99,7 +99,8 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
     )
 
 
-def run_generate(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     prompt: str | list[ChatMessage] = args.prompt
     if args.chat:
         turns = [ChatMessage("system", args.system)] if args.system else []
@@ -170,7 +171,8 @@ def _print_timeline(
     out.write("\n".join(lines) + "\n")
 
 
-def run_models(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+def run_models(args: argparse.Namespace, out: TextIO | None = None) -> int:
+    out = out or sys.stdout
     try:
         with connect(args) as client:
             models = client.list_models()

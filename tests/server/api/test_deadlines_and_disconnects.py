@@ -16,6 +16,7 @@ import pytest
 
 from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
+from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import (
     AsyncClient,
@@ -141,8 +142,7 @@ async def test_client_cancelling_the_stream_stops_all_its_generations(
         gate.allow(2)
         await read_until(events, transcript, lambda t: len(t.chunks("x")) >= 2 and len(t.chunks("y")) >= 2)
         stream.cancel_all()
-    while engine.stats.abort_requests < 2:  # the server notices the cancelled call
-        await asyncio.sleep(0.005)
+    await wait_until(lambda: engine.stats.abort_requests == 2, what="the server to notice the cancelled call")
     steps_at_cancel = engine.stats.decode_steps
     gate.open()
     assert await engine.wait_idle(5)
@@ -159,8 +159,7 @@ async def test_client_cancelling_a_unary_call_frees_the_slot(
     engine = one_slot.registry.default.engine
     async with AsyncClient(f"127.0.0.1:{one_slot.port}", retries=False) as client:
         call = asyncio.create_task(client.generate("Abandoned", greedy(150)))
-        while engine.live_count == 0:
-            await asyncio.sleep(0.005)
+        await wait_until(lambda: engine.live_count == 1, what="the request to reach the engine")
         call.cancel()
         with pytest.raises(asyncio.CancelledError):
             await call

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
+from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import (
     AsyncClient,
@@ -213,8 +214,8 @@ async def test_full_queue_is_resource_exhausted_at_once_with_a_retry_hint(
     async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
         running = asyncio.create_task(client.generate("one", greedy(5)))
         waiting = asyncio.create_task(client.generate("two", greedy(5)))
-        while engine.live_count < 2:  # both accepted: one in the slot, one in the queue
-            await asyncio.sleep(0.005)
+        # Both accepted: one in the slot, one in the queue.
+        await wait_until(lambda: engine.live_count == 2, what="two accepted requests")
         with pytest.raises(TokenwireError) as unary:
             await client.generate("three", greedy(5))
         events = [e async for e in client.stream("four", greedy(5), request_id="four")]

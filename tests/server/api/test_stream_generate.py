@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import AsyncIterator
 
 import pytest
 
 from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
+from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import (
     AsyncClient,
@@ -99,8 +99,7 @@ async def test_multiplexed_generations_with_one_cancelled_midway(
             # The engine now holds the next decode step at the gate, with "b" in its batch.
             streamed_before_cancel = len(transcript.tokens("b"))
             await stream.cancel("b")
-            while engine.stats.abort_requests < 1:  # the cancel message reaches the engine
-                await asyncio.sleep(0.005)
+            await wait_until(lambda: engine.stats.abort_requests == 1, what="the cancel to reach the engine")
             gate.open()
             await read_until(events, transcript, lambda t: all(t.finished(r) for r in "abc"))
             await stream.close_requests()

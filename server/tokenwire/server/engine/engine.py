@@ -67,6 +67,8 @@ class EngineStats:
 
     decode_steps: int = 0
     decoded_rows: int = 0
+    rejected: int = 0
+    """Requests refused at admission because the queue was full."""
     abort_requests: int = 0
     """Aborts received for live requests (cancel, disconnect, deadline, shutdown)."""
     prefill_chunks: int = 0
@@ -166,6 +168,7 @@ class Engine:
                 )
             capacity = self._slots + self._config.max_queue_size
             if len(self._inbox.live) >= capacity:
+                self.stats.rejected += 1
                 retry_after = self._retry_after_locked()
                 raise GenerationError(
                     ErrorKind.RESOURCE_EXHAUSTED,

@@ -1,0 +1,148 @@
+"""The `tokenwire` command line against a real server."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenwire.server.app import TokenwireServer
+from tokenwire.server.cli import main
+
+
+async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = await asyncio.to_thread(main, list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+async def test_generate_streams_text_and_prints_the_timeline(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = await run_cli(
+        capsys,
+        "generate",
+        "--server",
+        f"127.0.0.1:{server.port}",
+        "--stream",
+        "--timeline",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "16",
+        "--ignore-eos",
+        "Hello, world!",
+    )
+    assert code == 0
+    text, _, timeline = out.partition("--- timeline")
+    assert text.strip()
+    for label in ("queued", "first token", "decoding", "total"):
+        assert label in timeline
+    assert re.search(r"total\s+[\d.]+ ms for 16 tokens, finish length", timeline)
+
+
+async def test_generate_unary_text_equals_streamed_text(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = (
+        "--server",
+        f"127.0.0.1:{server.port}",
+        "--temperature",
+        "0",
+        "--max-new-tokens",
+        "10",
+        "--ignore-eos",
+        "The capital of France is",
+    )
+    _, streamed, _ = await run_cli(capsys, "generate", "--stream", *common)
+    _, unary, _ = await run_cli(capsys, "generate", *common)
+    assert streamed == unary
+
+
+async def test_generate_reports_bad_flags_with_the_field(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, _, err = await run_cli(
+        capsys, "generate", "--server", f"127.0.0.1:{server.port}", "--top-p", "3", "x"
+    )
+    assert code == 1
+    assert "INVALID_ARGUMENT" in err and "sampling.top_p" in err
+
+
+async def test_chat_flag_uses_the_chat_template(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = await run_cli(
+        capsys,
+        "generate",
+        "--server",
+        f"127.0.0.1:{server.port}",
+        "--chat",
+        "--timeline",
+        "--max-new-tokens",
+        "4",
+        "--temperature",
+        "0",
+        "--ignore-eos",
+        "What is gravity?",
+    )
+    assert code == 0
+    rendered = "<|im_start|>user\nWhat is gravity?<|im_end|>\n<|im_start|>assistant\n"
+    prompt_tokens = len(server.registry.default.model.tokenizer.encode(rendered, add_special_tokens=False))
+    assert f"prefill of {prompt_tokens} prompt tokens" in out
+
+
+async def test_models_lists_the_served_model(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = await run_cli(capsys, "models", "--server", f"127.0.0.1:{server.port}")
+    assert code == 0
+    name, context, *_ = out.strip().split("\t")
+    assert name == "tiny" and context == "context 256"
+    assert "default" in out and "chat" in out
+
+
+def test_create_tiny_writes_a_loadable_model(tmp_path: Path) -> None:
+    for layout in ("optimum", "gqa"):
+        out = tmp_path / layout
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tokenwire.server.cli",
+                "model",
+                "create-tiny",
+                str(out),
+                "--layout",
+                layout,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert Path(result.stdout.strip()) == out
+        assert (out / "tokenizer.json").is_file()
+        assert (out / ("model.onnx" if layout == "optimum" else "genai_config.json")).is_file()
+
+
+def test_serve_rejects_bad_settings_with_the_flag_named(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.server.cli",
+            "serve",
+            "--model",
+            str(tmp_path / "missing"),
+            "--max-batch-size",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert result.returncode == 2
+    assert "--max-batch-size" in result.stderr and "--model" in result.stderr
