@@ -55,6 +55,9 @@ def create_session(model_path: Path, settings: SessionSettings) -> ort.Inference
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     providers: list[str | tuple[str, dict[str, object]]]
     if provider == CUDA_PROVIDER:
+        # onnxruntime-gpu finds CUDA and cuDNN from the nvidia-* Python packages only when asked to.
+        if hasattr(ort, "preload_dlls"):
+            ort.preload_dlls()
         providers = [(CUDA_PROVIDER, {"device_id": settings.device_id}), CPU_PROVIDER]
     else:
         providers = [CPU_PROVIDER]
