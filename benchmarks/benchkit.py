@@ -139,6 +139,33 @@ def _stat_cpu_seconds(stat: Path) -> float:
     return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
+def _cpu_idle_and_total() -> tuple[int, int]:
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all but guest time
+
+
+def wait_for_quiet(*, idle_fraction: float = 0.85, window: float = 1.0, max_wait: float = 60.0) -> bool:
+    """Wait until the machine's CPUs were at least `idle_fraction` idle over `window` seconds.
+
+    On a shared 2-core machine another process's burst can halve a measurement; starting each
+    repetition on a quiet machine keeps the A/B pairs comparable. False if it never got quiet.
+    """
+    deadline = time.monotonic() + max_wait
+    while True:
+        idle_before, total_before = _cpu_idle_and_total()
+        time.sleep(window)
+        idle_after, total_after = _cpu_idle_and_total()
+        busy_share = 1 - (idle_after - idle_before) / max(1, total_after - total_before)
+        if 1 - busy_share >= idle_fraction:
+            return True
+        if time.monotonic() > deadline:
+            print(
+                f"machine still {busy_share:.0%} busy after {max_wait:.0f}s; measuring anyway",
+                file=sys.stderr,
+            )
+            return False
+
+
 def rss_bytes(pid: int) -> int:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):

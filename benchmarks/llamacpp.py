@@ -192,6 +192,7 @@ def main() -> None:
             for name in order:
                 one_stream(name)  # warm-up
             for repetition in range(args.repetitions):
+                benchkit.wait_for_quiet()
                 for name in order if repetition % 2 == 0 else order[::-1]:
                     times = one_stream(name)
                     single[name].append(
@@ -205,6 +206,7 @@ def main() -> None:
             llama_wave(port, text, 1)  # warm-up
             for repetition in range(args.repetitions):
                 for n in levels:
+                    benchkit.wait_for_quiet()
                     for name in order if repetition % 2 == 0 else order[::-1]:
                         wave = (
                             llama_wave(port, text, n)

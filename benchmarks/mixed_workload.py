@@ -60,6 +60,7 @@ def main() -> None:
         for _, run in turns:
             run()  # warm-up
         for repetition in range(args.repetitions):
+            benchkit.wait_for_quiet()
             for name, run in turns if repetition % 2 == 0 else turns[::-1]:
                 outcome = run()
                 assert outcome["tokens"] == [NEW_TOKENS] * len(prompts), outcome["tokens"]

@@ -77,6 +77,7 @@ def main() -> None:
             for _, run in systems:  # warm-up: first-call allocations and page faults
                 run()
             for repetition in range(args.repetitions):
+                benchkit.wait_for_quiet()
                 shift = repetition % len(systems)
                 for name, run in systems[shift:] + systems[:shift]:
                     results[name].append(run())
@@ -95,6 +96,12 @@ def _figures(token_times: list[float]) -> dict[str, float]:
     }
 
 
+def _pair_ratio(runs: list[dict[str, float]], reference: list[dict[str, float]]) -> float:
+    # Runs of the same repetition were back to back: the median of their ratios cancels most of
+    # the machine's drift between repetitions.
+    return median([r["decode_rate"] / g["decode_rate"] for r, g in zip(runs, reference, strict=True)])
+
+
 def _report(
     results: dict[str, list[dict[str, float]]], prefill: list[float], repetitions: int, prompt: int
 ) -> None:
@@ -104,7 +111,6 @@ def _report(
         "tokenwire": "tokenwire, 1 stream over gRPC",
     }
     reference = "genai" if results["genai"] else "raw"
-    reference_rate = median([r["decode_rate"] for r in results[reference]])
     rows: list[list[object]] = []
     for key, label in names.items():
         runs = results[key]
@@ -120,7 +126,7 @@ def _report(
                 rate,
                 total,
                 NEW_TOKENS / total,
-                f"{rate / reference_rate:.3f}",
+                f"{_pair_ratio(runs, results[reference]):.3f}",
             ]
         )
     print(
@@ -153,8 +159,7 @@ def _report(
             ],
         )
     )
-    tokenwire_rate = median([r["decode_rate"] for r in tokenwire])
-    ratio = tokenwire_rate / reference_rate
+    ratio = _pair_ratio(tokenwire, results[reference])
     print("\n## Targets\n")
     target_rows = [
         [
