@@ -6,9 +6,10 @@ that `w = scale * q + offset`. MatMulNBits computes `scale * (c - zero_point)` w
 point of `2**(bits-1)` when none is given (the fast int8 path needs integer zero points, and a
 float zero point sends the kernel to a slow dequantize-then-GEMM path). So the codes are copied
 bit-exactly into MatMulNBits blocks and whatever the fixed zero point cannot express is kept as
-one float per block, `offset + scale * (zero_point - shift)`, which the graph adds back as
-`(per-block sum of the input) @ offsets.T`. Nothing is rounded twice: the ONNX weights equal
-the GGUF weights exactly (in float32).
+one float per block, `offset + scale * (zero_point - shift)`. Its contribution to the output is
+`(per-block sums of the input) @ offsets.T`; `fold_offsets` turns that into extra quantized
+input columns of the same matrix (keeping the offsets to about float16 precision, the precision
+GGUF stores them in), or the graph adds it in float32. Codes and scales are never requantized.
 
 Formats without a decoder here (2- and 3-bit K formats, the IQ family) are dequantized to
 float by the caller instead.
@@ -149,17 +150,18 @@ def fold_offsets(weight: QuantizedMatrix) -> FoldedOffsets:
     sum_width = -(-blocks // weight.block_size) * weight.block_size
     zero_point = weight.zero_point
     largest_code = zero_point - 1
-    residual = weight.offsets.astype(np.float64)
+    # [rows, level blocks, block_size]: each block of a level gets its own scale.
+    residual = np.zeros((rows, sum_width), dtype=np.float64)
+    residual[:, :blocks] = weight.offsets
+    residual = residual.reshape(rows, -1, weight.block_size)
     codes, scales = [weight.codes], [weight.scales]
     for _ in range(levels):
-        scale = np.abs(residual).max(axis=1) / largest_code
-        scale[scale == 0] = 1.0  # an all-zero row: any scale encodes it exactly
-        level = np.clip(np.rint(residual / scale[:, None]), -zero_point, largest_code)
-        residual -= level * scale[:, None]
-        level_codes = np.full((rows, sum_width), zero_point, dtype=np.uint8)
-        level_codes[:, :blocks] = (level + zero_point).astype(np.uint8)
-        codes.append(level_codes)
-        scales.append(np.repeat(scale[:, None], sum_width // weight.block_size, axis=1).astype(np.float32))
+        scale = np.abs(residual).max(axis=2, keepdims=True) / largest_code
+        scale[scale == 0] = 1.0  # an all-zero block: any scale encodes it exactly
+        level = np.clip(np.rint(residual / scale), -zero_point, largest_code)
+        residual -= level * scale
+        codes.append((level + zero_point).astype(np.uint8).reshape(rows, sum_width))
+        scales.append(scale[:, :, 0].astype(np.float32))
     matrix = QuantizedMatrix(
         codes=np.concatenate(codes, axis=1),
         scales=np.concatenate(scales, axis=1),
