@@ -1,8 +1,8 @@
 """tokenwire at rising concurrency against raw batched ONNX Runtime at the same batch size.
 
-Each level is one wave: N requests (100-token prompts, 128 greedy new tokens) sent at once to a
-server with 16 slots, driven by `tokenwire bench`'s own load generator; the raw side prefills the
-same number of prompts and decodes them as one batch in this process. tokenwire and raw take
+Each level is one wave: N streams (100-token prompts, 128 greedy new tokens) sent at once to a
+server with 16 slots through tokenwire's asyncio client; the raw side prefills the same prompts
+and decodes them as one batch in this process. tokenwire and raw take
 turns (who goes first alternates) and each figure is the median over the repetitions.
 
 Also measured per level: the server's peak RSS, and its CPU cost per streamed token beyond ONNX
@@ -14,7 +14,7 @@ Runtime: (server process CPU time - raw loop CPU time for the same work) / token
 from __future__ import annotations
 
 import argparse
-import asyncio
+import itertools
 import time
 from typing import Any
 
@@ -22,39 +22,32 @@ import benchkit
 from benchkit import NEW_TOKENS, PROMPT_TOKENS, THREADS, median
 from ort_loop import RawLoop, generate
 
-from tokenwire.client.bench import BenchConfig, LengthDistribution, LoadLevel, run_bench
+from tokenwire.client.bench import percentile
 
 
-def tokenwire_wave(server: benchkit.ServerProcess, streams: int) -> dict[str, Any]:
-    config = BenchConfig(
-        target=server.target,
-        levels=(LoadLevel("concurrency", streams),),
-        prompt_tokens=LengthDistribution(PROMPT_TOKENS, PROMPT_TOKENS),
-        max_new_tokens=LengthDistribution(NEW_TOKENS, NEW_TOKENS),
-        requests=streams,
-        seed=streams,
-    )
+def tokenwire_wave(server: benchkit.ServerProcess, prompts: list[list[int]]) -> dict[str, Any]:
     cpu_before = benchkit.cpu_seconds(server.pid)
     client_cpu_before = time.process_time()
+    began = time.perf_counter()
     with benchkit.PeakRss(server.pid) as rss:
-        report = asyncio.run(run_bench(config))
-    level = report.levels[0]
-    assert level.completed == streams, f"{level.rejected} rejected, {level.failed} failed"
-    assert level.time_to_first_token is not None
-    assert level.inter_token_latency is not None
-    assert level.server_queued is not None
+        runs = benchkit.run_streams(server.target, prompts, NEW_TOKENS)
+    wall = time.perf_counter() - began
+    tokens = sum(len(r.token_times) for r in runs)
+    firsts = [r.first_token for r in runs]
+    queued = [r.server_queued for r in runs]
+    gaps = [later - earlier for r in runs for earlier, later in itertools.pairwise(r.token_times)]
     return {
-        "tokens_per_second": level.output_tokens_per_second,
-        "ttft_p50": level.time_to_first_token.p50,
-        "ttft_p99": level.time_to_first_token.p99,
-        "queued_p50": level.server_queued.p50,
-        "queued_p99": level.server_queued.p99,
-        "itl_p50": level.inter_token_latency.p50,
-        "itl_p99": level.inter_token_latency.p99,
+        "tokens_per_second": tokens / wall,
+        "ttft_p50": percentile(firsts, 50),
+        "ttft_p99": percentile(firsts, 99),
+        "queued_p50": percentile(queued, 50),
+        "queued_p99": percentile(queued, 99),
+        "itl_p50": percentile(gaps, 50),
+        "itl_p99": percentile(gaps, 99),
         "server_cpu": benchkit.cpu_seconds(server.pid) - cpu_before,
         "client_cpu": time.process_time() - client_cpu_before,
         "peak_rss": rss.peak,
-        "tokens": level.output_tokens,
+        "tokens": tokens,
     }
 
 
@@ -93,7 +86,7 @@ def main() -> None:
     raws: dict[int, list[dict[str, Any]]] = {n: [] for n in levels}
     with benchkit.ServerProcess(directory, max_batch_size=slots) as server:
         idle_rss = benchkit.rss_bytes(server.pid)
-        tokenwire_wave(server, 2)  # warm-up
+        tokenwire_wave(server, prompts[:2])  # warm-up: connects the client, first-call costs
         raw_wave(raw, prompts[:2])
         for repetition in range(args.repetitions):
             for streams in levels:
@@ -101,7 +94,7 @@ def main() -> None:
                 first, second = "tokenwire", "raw"
                 for side in (first, second) if repetition % 2 == 0 else (second, first):
                     if side == "tokenwire":
-                        tokenwire[streams].append(tokenwire_wave(server, streams))
+                        tokenwire[streams].append(tokenwire_wave(server, prompts[:streams]))
                     else:
                         raws[streams].append(raw_wave(raw, prompts[:streams]))
         kv_line = server.kv_cache_line()
