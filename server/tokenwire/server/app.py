@@ -10,16 +10,23 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
+from opentelemetry.sdk.trace.export import SpanExporter
 
 from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.config import ServerSettings
 from tokenwire.server.engine.engine import Engine, EngineConfig
+from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.engine.registry import ModelRegistry, ServedModel
 from tokenwire.server.engine.validation import RequestValidator
+from tokenwire.server.health import HealthReporter
 from tokenwire.server.lifecycle import Lifecycle, ServingPhase
 from tokenwire.server.models.loader import LoadedModel, LoadSettings, load_model
 from tokenwire.server.models.session import SessionSettings
+from tokenwire.server.observers import ObserverFanOut
+from tokenwire.server.security import tls
+from tokenwire.server.security.auth import BearerTokenInterceptor, Metadata
+from tokenwire.server.telemetry.exporters import Telemetry
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
@@ -40,45 +47,83 @@ class TokenwireServer:
         *,
         observer: EngineObserver | None = None,
         wrap_model: ModelWrapper | None = None,
+        span_exporter: SpanExporter | None = None,
     ) -> None:
+        """`observer` hears the engines besides telemetry; `span_exporter` receives request spans."""
         self.settings = settings
         self.lifecycle = Lifecycle()
         self.registry = ModelRegistry()
-        self._observer = observer
         self._wrap_model = wrap_model
         self._server: grpc.aio.Server | None = None
-        self._health = HealthServicer()
-        self._health_updates: set[asyncio.Task[None]] = set()
+        self.health = HealthReporter(HealthServicer(), ("", SERVICE_NAME), settings.health)
+        self.telemetry = Telemetry(
+            settings.telemetry, default_host=settings.host, engines=self._engines, span_exporter=span_exporter
+        )
+        watermarks = self.health if settings.health.queue_high_watermark is not None else None
+        observers: list[EngineObserver | None] = [self.telemetry.metrics, watermarks, observer]
+        self._observer = ObserverFanOut(o for o in observers if o is not None)
         self.port = 0
+
+    @property
+    def metrics_port(self) -> int | None:
+        """The port of the /metrics endpoint once started; None when metrics are off."""
+        return self.telemetry.metrics_port
 
     async def start(self) -> int:
         """Listen on the configured port (NOT_SERVING until load() finishes); return the port."""
         settings = self.settings
-        options = [
-            ("grpc.max_receive_message_length", settings.max_receive_message_bytes),
-            ("grpc.so_reuseport", 0),
-        ]
-        server = grpc.aio.server(options=options)
-        pb_grpc.add_InferenceServiceServicer_to_server(
-            InferenceServicer(self.registry, self.lifecycle), server
+        self.telemetry.start()
+        try:
+            self.port = self._listen(settings)
+        except BaseException:
+            await asyncio.to_thread(self.telemetry.shutdown)
+            raise
+        self.health.bind(asyncio.get_running_loop())
+        self.lifecycle.subscribe(self.health.phase_changed)
+        assert self._server is not None
+        await self._server.start()
+        log.info(
+            "listening on %s:%d (%s%s)",
+            settings.host,
+            self.port,
+            "TLS" if settings.tls.enabled else "plaintext",
+            ", bearer tokens required" if settings.auth.enabled else "",
         )
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
-        reflection.enable_server_reflection(
-            (
-                SERVICE_NAME,
-                health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-                reflection.SERVICE_NAME,
-            ),
-            server,
-        )
-        self.port = server.add_insecure_port(f"{settings.host}:{settings.port}")
-        if self.port == 0:
-            raise OSError(f"cannot listen on {settings.host}:{settings.port}")
-        self._server = server
-        self.lifecycle.subscribe(self._publish_health)
-        await server.start()
-        log.info("listening on %s:%d", settings.host, self.port)
         return self.port
+
+    def _listen(self, settings: ServerSettings) -> int:
+        interceptors = []
+        if settings.auth.enabled:
+            interceptors.append(
+                BearerTokenInterceptor(
+                    settings.auth.tokens,
+                    protect_health=settings.auth.protect_health,
+                    on_refused=self._refused_unauthenticated,
+                )
+            )
+        server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
+        pb_grpc.add_InferenceServiceServicer_to_server(
+            InferenceServicer(self.registry, self.lifecycle, telemetry=self.telemetry.requests), server
+        )
+        health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        if settings.reflection:
+            reflection.enable_server_reflection(
+                (
+                    SERVICE_NAME,
+                    health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    reflection.SERVICE_NAME,
+                ),
+                server,
+            )
+        address = f"{settings.host}:{settings.port}"
+        if settings.tls.enabled:
+            port = server.add_secure_port(address, tls.server_credentials(settings.tls))
+        else:
+            port = server.add_insecure_port(address)
+        if port == 0:
+            raise OSError(f"cannot listen on {address}")
+        self._server = server
+        return int(port)
 
     async def load(self) -> None:
         """Load every model (in a worker thread), start the engines, then report SERVING."""
@@ -117,21 +162,39 @@ class TokenwireServer:
         return all(results)
 
     async def stop(self, grace: float = 1.0) -> None:
-        """Fail whatever is still live with UNAVAILABLE, stop the engines, close the server."""
+        """Fail whatever is still live with UNAVAILABLE, stop the engines, close the server, then
+        flush and close telemetry, so the spans and counts of the drain's last requests go out."""
         self.lifecycle.enter(ServingPhase.STOPPED)
         for served in self.registry.all():
             await served.engine.shutdown()
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        await asyncio.to_thread(self.telemetry.shutdown)
 
-    def _publish_health(self, phase: ServingPhase) -> None:
-        status = (
-            health_pb2.HealthCheckResponse.SERVING
-            if phase is ServingPhase.SERVING
-            else health_pb2.HealthCheckResponse.NOT_SERVING
-        )
-        for service in ("", SERVICE_NAME):
-            update = asyncio.ensure_future(self._health.set(service, status))
-            self._health_updates.add(update)
-            update.add_done_callback(self._health_updates.discard)
+    def _engines(self) -> list[Engine]:
+        return [served.engine for served in self.registry.all()]
+
+    def _refused_unauthenticated(
+        self, method: str, metadata: Metadata | None, error: GenerationError
+    ) -> None:
+        self.telemetry.requests.refuse_call(method.rsplit("/", 1)[-1], metadata, error)
+
+
+def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
+    """gRPC core options: message size, streams per connection, keepalive enforcement."""
+    keepalive = settings.keepalive
+    return [
+        ("grpc.max_receive_message_length", settings.max_receive_message_bytes),
+        ("grpc.so_reuseport", 0),
+        ("grpc.max_concurrent_streams", settings.max_concurrent_streams),
+        ("grpc.keepalive_time_ms", _milliseconds(keepalive.time)),
+        ("grpc.keepalive_timeout_ms", _milliseconds(keepalive.timeout)),
+        ("grpc.keepalive_permit_without_calls", int(keepalive.permit_without_calls)),
+        ("grpc.http2.min_ping_interval_without_data_ms", _milliseconds(keepalive.min_ping_interval)),
+        ("grpc.http2.max_ping_strikes", keepalive.max_ping_strikes),
+    ]
+
+
+def _milliseconds(seconds: float) -> int:
+    return round(seconds * 1000)

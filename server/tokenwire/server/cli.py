@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from tokenwire.client import cli as client_cli
-from tokenwire.server.config import DEFAULT_PORT, ModelSource, ServerSettings
-from tokenwire.server.engine.validation import RequestLimits
+from tokenwire.server import settings_sources
+from tokenwire.server.config import ModelSource
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -38,135 +38,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _env(name: str, default: str) -> str:
-    return os.environ.get(f"TOKENWIRE_{name}", default)
-
-
 def _add_serve(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     serve = commands.add_parser(
         "serve",
         help="serve models over gRPC",
-        description="Serve models over gRPC. Every flag can also be set with the environment variable "
-        "shown in its help (TOKENWIRE_...).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        description="Serve models over gRPC. Each setting comes from its flag, else its environment "
+        "variable (shown in brackets), else the --config TOML file (the flag's name with underscores as "
+        "the key), else its default. Bearer tokens come only from --auth-tokens-file and "
+        "TOKENWIRE_AUTH_TOKENS.",
     )
-    serve.add_argument(
-        "--model",
-        action="append",
-        metavar="[NAME=]DIR",
-        help="model directory to serve (repeat for several; the first is the default). Without it, the "
-        f"default model {DEFAULT_MODEL} is pulled once and served from the cache. TOKENWIRE_MODEL",
-    )
-    serve.add_argument("--host", default=_env("HOST", "0.0.0.0"), help="address to listen on. TOKENWIRE_HOST")
-    serve.add_argument(
-        "--port",
-        type=int,
-        default=int(_env("PORT", str(DEFAULT_PORT))),
-        help="port (0 picks one). TOKENWIRE_PORT",
-    )
-    serve.add_argument(
-        "--max-batch-size",
-        type=int,
-        default=int(_env("MAX_BATCH_SIZE", "8")),
-        help="most sequences decoded together; sizes the KV cache. TOKENWIRE_MAX_BATCH_SIZE",
-    )
-    serve.add_argument(
-        "--max-queue-size",
-        type=int,
-        default=int(_env("MAX_QUEUE_SIZE", "64")),
-        help="most requests waiting for a slot; beyond it RESOURCE_EXHAUSTED. TOKENWIRE_MAX_QUEUE_SIZE",
-    )
-    serve.add_argument(
-        "--device",
-        choices=("auto", "cpu", "cuda"),
-        default=_env("DEVICE", "auto"),
-        help="where the model runs; auto picks CUDA when ONNX Runtime has it. TOKENWIRE_DEVICE",
-    )
-    serve.add_argument(
-        "--drain-timeout",
-        type=float,
-        default=float(_env("DRAIN_TIMEOUT", "30")),
-        help="seconds live requests get to finish after SIGTERM. TOKENWIRE_DRAIN_TIMEOUT",
-    )
-    serve.add_argument(
-        "--max-context-length",
-        type=int,
-        default=int(_env("MAX_CONTEXT_LENGTH", "2048")),
-        help="longest sequence (prompt + output) served; sizes the KV cache. TOKENWIRE_MAX_CONTEXT_LENGTH",
-    )
-    serve.add_argument(
-        "--prefill-chunk-size",
-        type=int,
-        default=int(_env("PREFILL_CHUNK_SIZE", "256")),
-        help="prompt tokens per model call, so long prompts do not stall streams. "
-        "TOKENWIRE_PREFILL_CHUNK_SIZE",
-    )
-    serve.add_argument(
-        "--intra-op-threads",
-        type=int,
-        default=int(_env("INTRA_OP_THREADS", "0")),
-        help="ONNX Runtime threads per operator (0: one per core). TOKENWIRE_INTRA_OP_THREADS",
-    )
-    serve.add_argument(
-        "--max-new-tokens-cap",
-        type=int,
-        default=int(_env("MAX_NEW_TOKENS_CAP", "4096")),
-        help="largest max_new_tokens a request may ask for. TOKENWIRE_MAX_NEW_TOKENS_CAP",
-    )
-    serve.add_argument(
-        "--default-max-new-tokens",
-        type=int,
-        default=int(_env("DEFAULT_MAX_NEW_TOKENS", "256")),
-        help="max_new_tokens when a request leaves it unset. TOKENWIRE_DEFAULT_MAX_NEW_TOKENS",
-    )
-    serve.add_argument(
-        "--log-level", default=_env("LOG_LEVEL", "INFO"), help="logging level. TOKENWIRE_LOG_LEVEL"
-    )
+    settings_sources.add_arguments(serve)
     serve.set_defaults(handler=_serve)
 
 
-def _model_sources(values: list[str] | None) -> tuple[ModelSource, ...]:
-    if not values:
-        env_model = os.environ.get("TOKENWIRE_MODEL")
-        values = [env_model] if env_model else []
-    sources = []
-    for value in values:
-        name, sep, path = value.partition("=")
-        sources.append(
-            ModelSource(Path(path), name) if sep and not Path(value).exists() else ModelSource(Path(value))
-        )
-    return tuple(sources)
-
-
 def _serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
-    models = _model_sources(args.model)
-    if not models:
-        from tokenwire.server.models.pull import pull_model
-
-        models = (ModelSource(pull_model(DEFAULT_MODEL), DEFAULT_MODEL),)
-    settings = ServerSettings(
-        models=models,
-        host=args.host,
-        port=args.port,
-        max_batch_size=args.max_batch_size,
-        max_queue_size=args.max_queue_size,
-        prefill_chunk_size=args.prefill_chunk_size,
-        max_context_length=args.max_context_length,
-        device=args.device,
-        intra_op_threads=args.intra_op_threads,
-        drain_timeout=args.drain_timeout,
-        limits=RequestLimits(
-            max_new_tokens_cap=args.max_new_tokens_cap, default_max_new_tokens=args.default_max_new_tokens
-        ),
-    )
-    problems = settings.validate()
-    if problems:
-        for problem in problems:
+    try:
+        settings = settings_sources.load(args, os.environ)
+    except settings_sources.SettingsError as error:
+        for problem in error.problems:
             print(f"tokenwire serve: {problem}", file=sys.stderr)
         return 2
+    from tokenwire.server.telemetry.logs import configure_logging
+
+    configure_logging(settings.telemetry.log_level, settings.telemetry.log_format)
+    if not settings.models:
+        from tokenwire.server.models.pull import pull_model
+
+        settings = replace(settings, models=(ModelSource(pull_model(DEFAULT_MODEL), DEFAULT_MODEL),))
     from tokenwire.server.main import run
 
     return run(settings)

@@ -1,4 +1,9 @@
-"""Run the server until a signal: SIGTERM/SIGINT drain it, a second signal exits at once."""
+"""Run the server until a signal: SIGTERM/SIGINT drain it, a second signal exits at once.
+
+Shutdown order: health turns NOT_SERVING and new work is refused, live requests get up to the
+drain timeout, what is left fails with UNAVAILABLE, the gRPC port closes, and last the metrics
+endpoint closes and the exporters flush, so the drain's own requests are counted and traced.
+"""
 
 from __future__ import annotations
 
@@ -33,7 +38,14 @@ async def serve(settings: ServerSettings) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, on_signal, signum)
 
-    await server.start()
+    try:
+        await server.start()
+    except OSError as error:
+        log.error("%s", error)
+        return 1
+    if server.metrics_port is not None:
+        host = settings.telemetry.metrics_host or settings.host
+        print(f"tokenwire: metrics on http://{host}:{server.metrics_port}/metrics", flush=True)
     loading = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop_requested.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -17,6 +17,7 @@ from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.registry import ModelRegistry
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
 from tokenwire.server.lifecycle import Lifecycle
+from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
@@ -25,31 +26,42 @@ Context: TypeAlias = grpc.aio.ServicerContext
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(
-        self, registry: ModelRegistry, lifecycle: Lifecycle, *, clock: Callable[[], float] = time.monotonic
+        self,
+        registry: ModelRegistry,
+        lifecycle: Lifecycle,
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        telemetry: RequestTelemetry | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
         self._clock = clock
+        self._telemetry = telemetry or RequestTelemetry(clock=clock)
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
         received = self._clock()
+        record = self._telemetry.begin("Generate", context.invocation_metadata(), received)
         spec = convert.request_spec(request)
         if not spec.request_id:
             spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
+        record.describe(spec)
         outcome: asyncio.Future[EngineEvent] = asyncio.get_running_loop().create_future()
 
         def finish(event: EngineEvent) -> None:
+            record.observe(event)
             if isinstance(event, Completed | Failed) and not outcome.done():
                 outcome.set_result(event)
 
         try:
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
+            record.resolved(served.name)
             validated = served.validator.validate(
                 spec, received_at=received, call_deadline=_call_deadline(context, received)
             )
             ticket = served.engine.submit(validated, finish)
         except GenerationError as error:
+            record.refused(error)
             await errors.abort(context, error)
             raise  # unreachable: abort raises
         try:
@@ -71,12 +83,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: Context
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
         received = self._clock()
+        metadata = context.invocation_metadata()
         try:
             self._lifecycle.check_accepting()
         except GenerationError as error:
+            self._telemetry.begin("StreamGenerate", metadata, received).refused(error)
             await errors.abort(context, error)
         session = StreamSession(
-            self._registry, self._lifecycle, self._clock, _call_deadline(context, received)
+            self._registry,
+            self._lifecycle,
+            self._clock,
+            _call_deadline(context, received),
+            telemetry=self._telemetry,
+            metadata=metadata,
         )
         async for message in session.run(request_iterator):
             yield message

@@ -21,6 +21,8 @@ from tokenwire.server.engine.errors import ErrorKind, FieldViolation, Generation
 from tokenwire.server.engine.registry import ModelRegistry
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
 from tokenwire.server.lifecycle import Lifecycle
+from tokenwire.server.telemetry.requests import RequestRecord, RequestTelemetry
+from tokenwire.server.telemetry.tracing import Metadata
 from tokenwire.v1 import inference_service_pb2 as pb
 
 log = logging.getLogger(__name__)
@@ -39,11 +41,16 @@ class StreamSession:
         lifecycle: Lifecycle,
         clock: Callable[[], float],
         call_deadline: float | None,
+        *,
+        telemetry: RequestTelemetry | None = None,
+        metadata: Metadata | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
         self._clock = clock
         self._call_deadline = call_deadline
+        self._telemetry = telemetry or RequestTelemetry(clock=clock)
+        self._metadata = metadata
         self._outbox: asyncio.Queue[pb.StreamGenerateResponse | None] = asyncio.Queue()
         self._live: dict[str, _Live] = {}
         self._half_closed = False
@@ -78,6 +85,7 @@ class StreamSession:
                     self._cancel(message.cancel.request_id)
                 else:
                     error = GenerationError.invalid(FieldViolation("request", "set generate or cancel"))
+                    self._telemetry.begin("StreamGenerate", self._metadata, self._clock()).refused(error)
                     self._outbox.put_nowait(_error_event("", error))
         except asyncio.CancelledError:
             raise
@@ -89,8 +97,11 @@ class StreamSession:
 
     def _start(self, message: pb.GenerateRequest) -> None:
         received = self._clock()
+        record = self._telemetry.begin("StreamGenerate", self._metadata, received)
         request_id = message.request_id
         try:
+            spec = convert.request_spec(message)
+            record.describe(spec)
             if request_id and request_id in self._live:
                 raise GenerationError(
                     ErrorKind.INVALID_ARGUMENT,
@@ -101,13 +112,14 @@ class StreamSession:
                     reason="DUPLICATE_REQUEST_ID",
                 )
             self._lifecycle.check_accepting()
-            spec = convert.request_spec(message)
             served = self._registry.resolve(spec.model)
+            record.resolved(served.name)
             request = served.validator.validate(
                 spec, received_at=received, call_deadline=self._call_deadline, require_request_id=True
             )
-            ticket = served.engine.submit(request, lambda event: self._deliver(request_id, event))
+            ticket = served.engine.submit(request, lambda event: self._deliver(request_id, record, event))
         except GenerationError as error:
+            record.refused(error)
             self._outbox.put_nowait(_error_event(request_id, error))
             return
         self._live[request_id] = _Live(served.engine, ticket.key)
@@ -118,7 +130,8 @@ class StreamSession:
         if live is not None:
             live.engine.abort(live.key, AbortReason.CANCELLED)
 
-    def _deliver(self, request_id: str, event: EngineEvent) -> None:
+    def _deliver(self, request_id: str, record: RequestRecord, event: EngineEvent) -> None:
+        record.observe(event)
         if isinstance(event, Failed):
             self._live.pop(request_id, None)
             self._outbox.put_nowait(_error_event(request_id, event.error))

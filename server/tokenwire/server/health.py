@@ -1,0 +1,122 @@
+"""What grpc.health.v1 reports: SERVING only while the server serves and no queue is overloaded.
+
+The lifecycle decides the basics (NOT_SERVING while loading and draining). With a queue high
+watermark, a model whose queue reaches it turns health NOT_SERVING so load balancers send new
+work elsewhere, while requests already routed here are still accepted; health turns SERVING
+again only once every queue is down to the low watermark (hysteresis, so it does not flap).
+
+Queue depths come from the engine observer's occupancy hook, after every scheduling round, on
+the engine thread. The comparison happens there; only a crossing hops to the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+
+from grpc_health.v1 import health_pb2
+from grpc_health.v1._async import HealthServicer
+
+from tokenwire.server.config import HealthSettings
+from tokenwire.server.engine.types import FinishReason, TimingReport
+from tokenwire.server.lifecycle import ServingPhase
+
+log = logging.getLogger(__name__)
+
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+class HealthReporter:
+    """Publishes one status for `services`; implements EngineObserver for the queue watermarks."""
+
+    def __init__(self, servicer: HealthServicer, services: Sequence[str], settings: HealthSettings) -> None:
+        self.servicer = servicer
+        self._services = tuple(services)
+        self._high = settings.queue_high_watermark
+        self._low = settings.low_watermark
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._phase = ServingPhase.LOADING
+        self._published: int | None = None
+        self._overloaded: set[str] = set()
+        """Models over the high watermark (event loop)."""
+        self._overloaded_seen: dict[str, bool] = {}
+        """The same, as each engine thread last reported it (each thread writes its own key)."""
+        self._updates: set[asyncio.Task[None]] = set()
+
+    def bind(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Use `loop` for updates (call from it, before the engines start)."""
+        self._loop = loop
+
+    @property
+    def overloaded(self) -> bool:
+        return bool(self._overloaded)
+
+    def phase_changed(self, phase: ServingPhase) -> None:
+        self._phase = phase
+        self._publish()
+
+    # -- EngineObserver -------------------------------------------------------------------------
+
+    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
+        if self._high is None or self._low is None or self._loop is None:
+            return
+        was_over = self._overloaded_seen.get(model, False)
+        if not was_over and queued >= self._high:
+            over = True
+        elif was_over and queued <= self._low:
+            over = False
+        else:
+            return
+        self._overloaded_seen[model] = over
+        # A closed loop means nobody is asking about health any more.
+        with contextlib.suppress(RuntimeError):
+            self._loop.call_soon_threadsafe(self._set_overloaded, model, over, queued)
+
+    def request_finished(
+        self,
+        *,
+        model: str,
+        outcome: str,
+        finish_reason: FinishReason | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timing: TimingReport,
+    ) -> None:
+        return None
+
+    def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
+        return None
+
+    def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
+        return None
+
+    # -- event loop -----------------------------------------------------------------------------
+
+    def _set_overloaded(self, model: str, over: bool, queued: int) -> None:
+        if over:
+            self._overloaded.add(model)
+            log.warning(
+                "model %s: %d queued, at or above the high watermark %s: health NOT_SERVING",
+                model,
+                queued,
+                self._high,
+            )
+        else:
+            self._overloaded.discard(model)
+            log.info("model %s: %d queued, down to the low watermark %s", model, queued, self._low)
+        self._publish()
+
+    def _publish(self) -> None:
+        status = SERVING if self._phase is ServingPhase.SERVING and not self._overloaded else NOT_SERVING
+        if status == self._published:
+            return
+        self._published = status
+        for service in self._services:
+            # Tasks start in creation order and set() does not yield before it takes effect, so
+            # watchers see the statuses in the order they were published.
+            update = asyncio.ensure_future(self.servicer.set(service, status))
+            self._updates.add(update)
+            update.add_done_callback(self._updates.discard)

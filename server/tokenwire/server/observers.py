@@ -1,0 +1,49 @@
+"""Several engine observers behind the engine's one hook: metrics, health watermarks, tests."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from tokenwire.server.engine.observer import EngineObserver
+from tokenwire.server.engine.types import FinishReason, TimingReport
+
+
+class ObserverFanOut:
+    """Calls each observer in turn (on the engine thread; each must be quick and never raise)."""
+
+    def __init__(self, observers: Iterable[EngineObserver]) -> None:
+        self._observers = tuple(observers)
+
+    def request_finished(
+        self,
+        *,
+        model: str,
+        outcome: str,
+        finish_reason: FinishReason | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timing: TimingReport,
+    ) -> None:
+        for observer in self._observers:
+            observer.request_finished(
+                model=model,
+                outcome=outcome,
+                finish_reason=finish_reason,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=completion_tokens,
+                timing=timing,
+            )
+
+    def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
+        for observer in self._observers:
+            observer.decode_step(model=model, batch_size=batch_size, seconds=seconds)
+
+    def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
+        for observer in self._observers:
+            observer.prefill_chunk(model=model, tokens=tokens, seconds=seconds)
+
+    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
+        for observer in self._observers:
+            observer.occupancy(
+                model=model, queued=queued, running=running, kv_slots_used=kv_slots_used, kv_slots=kv_slots
+            )

@@ -1,0 +1,1 @@
+"""Authentication and transport security of the gRPC port."""

@@ -1,0 +1,145 @@
+"""Bearer-token authentication of every call, as a grpc.aio server interceptor.
+
+A call must carry `authorization: Bearer <token>` metadata with one of the configured tokens;
+otherwise it ends with UNAUTHENTICATED and the same rich details (ErrorInfo reason) as every
+other error. The health service can be left open so load balancers probe without a token.
+Reflection is protected like the inference service.
+
+Tokens are compared as SHA-256 digests with hmac.compare_digest against every configured token,
+so neither a token's value, its length, nor which token matched shows in the response time.
+Tokens are never logged; the refusal callback hears only the method and the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+
+from tokenwire.server.api import errors
+from tokenwire.server.engine.errors import ErrorKind, GenerationError
+
+AUTH_TOKENS_ENV = "TOKENWIRE_AUTH_TOKENS"
+HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
+AUTHORIZATION = "authorization"
+_SCHEME = "bearer"
+
+MISSING = GenerationError(
+    ErrorKind.UNAUTHENTICATED,
+    "this server requires authorization: Bearer <token> metadata",
+    reason="TOKEN_MISSING",
+)
+INVALID = GenerationError(ErrorKind.UNAUTHENTICATED, "the bearer token is not valid", reason="TOKEN_INVALID")
+
+Metadata = Sequence[tuple[str, str | bytes]]
+RefusalListener = Callable[[str, Metadata | None, GenerationError], None]
+"""Hears (full method name, call metadata, error) for each refused call."""
+
+
+class TokenFileError(ValueError):
+    pass
+
+
+def load_tokens(path: Path | None, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
+    """Tokens from `path` (one a line; blank lines and # comments skipped) and TOKENWIRE_AUTH_TOKENS.
+
+    Raises TokenFileError when the file cannot be read or holds no token.
+    """
+    tokens: list[str] = []
+    if path is not None:
+        try:
+            lines = path.read_text(encoding="utf-8").splitlines()
+        except (OSError, UnicodeDecodeError) as error:
+            raise TokenFileError(f"--auth-tokens-file: cannot read {path}: {error}") from error
+        tokens += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
+        if not tokens:
+            raise TokenFileError(f"--auth-tokens-file: {path} holds no token")
+    tokens += [part.strip() for part in environ.get(AUTH_TOKENS_ENV, "").split(",") if part.strip()]
+    for token in tokens:
+        if any(c.isspace() for c in token) or not token.isprintable():
+            raise TokenFileError(
+                f"--auth-tokens-file / {AUTH_TOKENS_ENV}: a token may not hold spaces or control characters"
+            )
+    return tuple(dict.fromkeys(tokens))
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    def __init__(
+        self,
+        tokens: Iterable[str],
+        *,
+        protect_health: bool = False,
+        on_refused: RefusalListener | None = None,
+    ) -> None:
+        self._digests = tuple(_digest(token.encode()) for token in tokens)
+        if not self._digests:
+            raise ValueError("authentication needs at least one token")
+        self._protect_health = protect_health
+        self._on_refused = on_refused
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        method: str = details.method
+        if handler is None or (not self._protect_health and method.startswith(HEALTH_SERVICE_PREFIX)):
+            return handler
+        metadata: Metadata | None = details.invocation_metadata
+        error = self._check(metadata)
+        if error is None:
+            return handler
+        if self._on_refused is not None:
+            self._on_refused(method, metadata, error)
+        return _refusal(handler, error)
+
+    def _check(self, metadata: Metadata | None) -> GenerationError | None:
+        presented = _bearer_token(metadata)
+        if presented is None:
+            return MISSING
+        candidate = _digest(presented)
+        matched = False
+        for digest in self._digests:  # every token, no early exit
+            matched |= hmac.compare_digest(candidate, digest)
+        return None if matched else INVALID
+
+
+def _bearer_token(metadata: Metadata | None) -> bytes | None:
+    for key, value in metadata or ():
+        if key != AUTHORIZATION:
+            continue
+        text = value.decode("latin-1") if isinstance(value, bytes) else value
+        scheme, _, token = text.strip().partition(" ")
+        if scheme.lower() != _SCHEME or not token.strip():
+            return None
+        return token.strip().encode()
+    return None
+
+
+def _digest(token: bytes) -> bytes:
+    return hashlib.sha256(token).digest()
+
+
+def _refusal(handler: grpc.RpcMethodHandler, error: GenerationError) -> grpc.RpcMethodHandler:
+    """A handler of the same shape as `handler` that ends the call with `error`."""
+
+    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+        await errors.abort(context, error)
+
+    wire = {
+        "request_deserializer": handler.request_deserializer,
+        "response_serializer": handler.response_serializer,
+    }
+    if handler.request_streaming and handler.response_streaming:
+        return grpc.stream_stream_rpc_method_handler(refuse, **wire)
+    if handler.request_streaming:
+        return grpc.stream_unary_rpc_method_handler(refuse, **wire)
+    if handler.response_streaming:
+        return grpc.unary_stream_rpc_method_handler(refuse, **wire)
+    return grpc.unary_unary_rpc_method_handler(refuse, **wire)

@@ -1,0 +1,46 @@
+"""One log line per request, on the `tokenwire.access` logger, with its outcome and timings."""
+
+from __future__ import annotations
+
+import logging
+
+from tokenwire.server.telemetry.logs import FIELDS_ATTRIBUTE
+from tokenwire.server.telemetry.summary import RequestSummary
+
+ACCESS_LOGGER = "tokenwire.access"
+
+
+class AccessLog:
+    def __init__(self, logger: logging.Logger | None = None) -> None:
+        self._logger = logger or logging.getLogger(ACCESS_LOGGER)
+
+    def write(self, summary: RequestSummary, trace_id: str | None) -> None:
+        if not self._logger.isEnabledFor(logging.INFO):
+            return
+        stages = summary.stages
+        prefill = None
+        if stages.first_token is not None and stages.queued is not None:
+            prefill = stages.first_token - stages.queued
+        fields: dict[str, object] = {
+            "method": summary.method,
+            "request_id": summary.request_id,
+            "model": summary.model,
+            "outcome": summary.outcome,
+            "code": summary.error_code or "OK",
+            "reason": summary.error_reason,
+            "finish_reason": summary.finish_reason,
+            "prompt_tokens": summary.prompt_tokens,
+            "completion_tokens": summary.completion_tokens,
+            "queued_ms": _ms(stages.queued),
+            "ttft_ms": _ms(stages.first_token),
+            "prefill_ms": _ms(prefill),
+            "tpot_ms": _ms(stages.time_per_output_token),
+            "total_ms": _ms(stages.total),
+            "trace_id": trace_id,
+        }
+        level = logging.WARNING if summary.outcome == "error" else logging.INFO
+        self._logger.log(level, "%s %s", summary.method, summary.outcome, extra={FIELDS_ATTRIBUTE: fields})
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else seconds * 1000.0

@@ -1,0 +1,134 @@
+"""Where one server's telemetry goes: the Prometheus /metrics endpoint, OTLP, the access log.
+
+Each server owns its providers (none is installed globally), so several servers in one process
+keep separate numbers. With no metrics port, no OTLP endpoint and no test exporter, no
+provider exists at all and requests pay only for the access log.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from wsgiref.simple_server import WSGIServer
+
+from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, PeriodicExportingMetricReader
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
+from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from prometheus_client import CollectorRegistry, start_http_server
+
+from tokenwire.server.config import TelemetrySettings
+from tokenwire.server.telemetry.access_log import AccessLog
+from tokenwire.server.telemetry.metrics import QueueSource, ServerMetrics
+from tokenwire.server.telemetry.requests import RequestTelemetry
+from tokenwire.server.telemetry.tracing import RequestTracer
+
+log = logging.getLogger(__name__)
+
+INSTRUMENTATION_SCOPE = "tokenwire.server"
+OTLP_EXPORTER_MODULE = "opentelemetry.exporter.otlp.proto.grpc"
+METRICS_PATH = "/metrics"
+
+
+def otlp_exporter_installed() -> bool:
+    return importlib.util.find_spec(OTLP_EXPORTER_MODULE) is not None
+
+
+class Telemetry:
+    """Build with the settings, start() with the server, shutdown() when it has stopped."""
+
+    def __init__(
+        self,
+        settings: TelemetrySettings,
+        *,
+        default_host: str,
+        engines: Callable[[], Sequence[QueueSource]],
+        span_exporter: SpanExporter | None = None,
+    ) -> None:
+        self._settings = settings
+        self._host = settings.metrics_host or default_host
+        self._registry: CollectorRegistry | None = None
+        self._endpoint: tuple[WSGIServer, threading.Thread] | None = None
+        self.metrics_port: int | None = None
+        """The port /metrics is served on once started; None when there is no endpoint."""
+        resource = Resource.create({"service.name": settings.service_name})
+
+        readers: list[MetricReader] = []
+        if settings.metrics_port is not None:
+            self._registry = CollectorRegistry()
+            readers.append(PrometheusMetricReader(scope_info_enabled=False, registry=self._registry))
+        if settings.otlp_metrics and settings.otlp_endpoint:
+            readers.append(PeriodicExportingMetricReader(_otlp_metric_exporter(settings.otlp_endpoint)))
+        self._meter_provider = (
+            MeterProvider(metric_readers=readers, resource=resource, shutdown_on_exit=False)
+            if readers
+            else None
+        )
+        self.metrics = (
+            ServerMetrics(self._meter_provider.get_meter(INSTRUMENTATION_SCOPE), engines)
+            if self._meter_provider is not None
+            else None
+        )
+
+        processors: list[SpanProcessor] = []
+        if span_exporter is not None:
+            processors.append(SimpleSpanProcessor(span_exporter))
+        if settings.otlp_endpoint:
+            processors.append(BatchSpanProcessor(_otlp_span_exporter(settings.otlp_endpoint)))
+        self._tracer_provider: TracerProvider | None = None
+        tracer: RequestTracer | None = None
+        if processors:
+            self._tracer_provider = TracerProvider(resource=resource, shutdown_on_exit=False)
+            for processor in processors:
+                self._tracer_provider.add_span_processor(processor)
+            tracer = RequestTracer(self._tracer_provider.get_tracer(INSTRUMENTATION_SCOPE))
+
+        self.requests = RequestTelemetry(
+            metrics=self.metrics, tracer=tracer, access_log=AccessLog() if settings.access_log else None
+        )
+
+    def start(self) -> None:
+        """Open the /metrics endpoint. Raises OSError naming the setting if the port is taken."""
+        port = self._settings.metrics_port
+        if self._registry is None or port is None:
+            return
+        try:
+            server, thread = start_http_server(port, addr=self._host, registry=self._registry)
+        except OSError as error:
+            raise OSError(
+                f"--metrics-port: cannot listen on {self._host}:{port}: {error.strerror or error}"
+            ) from error
+        self._endpoint = (server, thread)
+        self.metrics_port = server.server_port
+        log.info("metrics on http://%s:%d%s", self._host, self.metrics_port, METRICS_PATH)
+
+    def shutdown(self) -> None:
+        """Close the endpoint and flush every exporter; blocking (call it off the event loop)."""
+        if self._endpoint is not None:
+            server, thread = self._endpoint
+            self._endpoint = None
+            server.shutdown()
+            server.server_close()
+            thread.join()
+        if self._meter_provider is not None:
+            self._meter_provider.shutdown()
+            self._meter_provider = None
+        if self._tracer_provider is not None:
+            self._tracer_provider.shutdown()
+            self._tracer_provider = None
+
+
+def _otlp_span_exporter(endpoint: str) -> SpanExporter:
+    from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+
+    return OTLPSpanExporter(endpoint=endpoint)
+
+
+def _otlp_metric_exporter(endpoint: str) -> MetricExporter:
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+
+    return OTLPMetricExporter(endpoint=endpoint)

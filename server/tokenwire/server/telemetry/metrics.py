@@ -1,0 +1,208 @@
+"""The server's metric instruments, and what records into them.
+
+Requests the engine saw are recorded from its observer hooks, on the engine thread, once per
+finished request and once per decode step; requests refused before they reached the engine
+(queue full, invalid, unauthenticated) are counted by the API edge. Gauges are read when
+metrics are collected, so nothing is recorded per token.
+
+Names follow the OpenTelemetry GenAI semantic conventions where they name the thing
+(gen_ai.server.*, gen_ai.request.model); the rest are tokenwire's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+from typing import Protocol
+
+from opentelemetry.metrics import CallbackOptions, Meter, Observation
+
+from tokenwire.server.engine.types import FinishReason, TimingReport
+
+REQUEST_DURATION = "gen_ai.server.request.duration"
+TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
+TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"
+QUEUE_DURATION = "tokenwire.server.queue.duration"
+PREFILL_DURATION = "tokenwire.server.prefill.duration"
+REQUESTS = "tokenwire.server.requests"
+PROMPT_TOKENS = "tokenwire.server.prompt_tokens"
+GENERATED_TOKENS = "tokenwire.server.generated_tokens"
+DECODE_STEPS = "tokenwire.engine.decode_steps"
+QUEUE_DEPTH = "tokenwire.engine.queue.depth"
+BATCH_SIZE = "tokenwire.engine.batch.size"
+KV_CACHE_USAGE = "tokenwire.engine.kv_cache.usage"
+
+MODEL = "gen_ai.request.model"
+OUTCOME = "outcome"
+
+OUTCOMES = ("ok", "cancelled", "deadline", "rejected", "invalid", "unauthenticated", "unavailable", "error")
+"""Every value of the outcome attribute: the engine's five plus the refusals of the API edge."""
+
+# Bucket boundaries in seconds, from the GenAI semantic conventions' advice for these metrics.
+REQUEST_DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 0.01 s doubling to 81.92 s
+TIME_TO_FIRST_TOKEN_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+)
+TIME_PER_OUTPUT_TOKEN_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5)
+
+
+class QueueSource(Protocol):
+    """What the gauges read from an engine at collection time."""
+
+    @property
+    def model_name(self) -> str: ...
+
+    @property
+    def queue_depth(self) -> int: ...
+
+    @property
+    def slots(self) -> int: ...
+
+
+class ServerMetrics:
+    """The instruments of one server. Every method is safe to call from any thread.
+
+    Implements EngineObserver, so it can be handed to the engines directly.
+    """
+
+    def __init__(self, meter: Meter, engines: Callable[[], Sequence[QueueSource]]) -> None:
+        self._engines = engines
+        # Latest (running, kv slots used, kv slots) per model, written by each engine thread after
+        # a scheduling round and read by the collector: a dict store is atomic.
+        self._occupancy: dict[str, tuple[int, int, int]] = {}
+        self._request_duration = meter.create_histogram(
+            REQUEST_DURATION,
+            unit="s",
+            description="Time from receipt of a request until it finished, whatever the outcome.",
+            explicit_bucket_boundaries_advisory=REQUEST_DURATION_BUCKETS,
+        )
+        self._time_to_first_token = meter.create_histogram(
+            TIME_TO_FIRST_TOKEN,
+            unit="s",
+            description="Time from receipt until the first generated token was ready.",
+            explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self._time_per_output_token = meter.create_histogram(
+            TIME_PER_OUTPUT_TOKEN,
+            unit="s",
+            description="Mean time between consecutive generated tokens of a request (inter-token latency).",
+            explicit_bucket_boundaries_advisory=TIME_PER_OUTPUT_TOKEN_BUCKETS,
+        )
+        self._queue_duration = meter.create_histogram(
+            QUEUE_DURATION,
+            unit="s",
+            description="Time a request waited in the queue before work on it began.",
+            explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self._prefill_duration = meter.create_histogram(
+            PREFILL_DURATION,
+            unit="s",
+            description="Time from the start of work on a request until its first token: the prompt.",
+            explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self._requests = meter.create_counter(
+            REQUESTS,
+            unit="{request}",
+            description="Requests by outcome, those refused at admission included.",
+        )
+        self._prompt_tokens = meter.create_counter(
+            PROMPT_TOKENS, unit="{token}", description="Prompt tokens of the requests the engine finished."
+        )
+        self._generated_tokens = meter.create_counter(
+            GENERATED_TOKENS, unit="{token}", description="Tokens generated, whatever the request's outcome."
+        )
+        self._decode_steps = meter.create_counter(
+            DECODE_STEPS, unit="{step}", description="Batched decode steps the engine ran."
+        )
+        meter.create_observable_gauge(
+            QUEUE_DEPTH,
+            callbacks=[self._observe_queue_depth],
+            unit="{request}",
+            description="Requests waiting for a slot, now.",
+        )
+        meter.create_observable_gauge(
+            BATCH_SIZE,
+            callbacks=[self._observe_batch_size],
+            unit="{sequence}",
+            description="Sequences in the running batch after the latest scheduling round.",
+        )
+        meter.create_observable_gauge(
+            KV_CACHE_USAGE,
+            callbacks=[self._observe_kv_cache_usage],
+            unit="1",
+            description="Fraction of KV-cache slots in use after the latest scheduling round (0 to 1).",
+        )
+
+    # -- EngineObserver (engine thread) ---------------------------------------------------------
+
+    def request_finished(
+        self,
+        *,
+        model: str,
+        outcome: str,
+        finish_reason: FinishReason | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timing: TimingReport,
+    ) -> None:
+        by_model = {MODEL: model}
+        by_outcome = {MODEL: model, OUTCOME: outcome}
+        self._requests.add(1, by_outcome)
+        self._request_duration.record(timing.total, by_outcome)
+        self._queue_duration.record(timing.queued, by_model)
+        if timing.time_to_first_token is not None:
+            self._time_to_first_token.record(timing.time_to_first_token, by_model)
+        if timing.prefill is not None:
+            self._prefill_duration.record(timing.prefill, by_model)
+        if timing.time_per_output_token is not None:
+            self._time_per_output_token.record(timing.time_per_output_token, by_model)
+        self._prompt_tokens.add(prompt_tokens, by_model)
+        if completion_tokens:
+            self._generated_tokens.add(completion_tokens, by_model)
+
+    def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
+        self._decode_steps.add(1, {MODEL: model})
+
+    def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
+        return None
+
+    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
+        self._occupancy[model] = (running, kv_slots_used, kv_slots)
+
+    # -- API edge (event loop) ------------------------------------------------------------------
+
+    def request_refused(self, *, model: str, outcome: str) -> None:
+        """A request that never reached the engine: rejected, invalid or unauthenticated."""
+        self._requests.add(1, {MODEL: model, OUTCOME: outcome})
+
+    # -- gauges (collector thread) --------------------------------------------------------------
+
+    def _observe_queue_depth(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [Observation(engine.queue_depth, {MODEL: engine.model_name}) for engine in self._engines()]
+
+    def _observe_batch_size(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(self._occupancy.get(engine.model_name, (0, 0, 0))[0], {MODEL: engine.model_name})
+            for engine in self._engines()
+        ]
+
+    def _observe_kv_cache_usage(self, options: CallbackOptions) -> Iterable[Observation]:
+        observations = []
+        for engine in self._engines():
+            _, used, total = self._occupancy.get(engine.model_name, (0, 0, engine.slots))
+            observations.append(Observation(used / total if total else 0.0, {MODEL: engine.model_name}))
+        return observations
