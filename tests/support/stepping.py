@@ -14,8 +14,9 @@ from dataclasses import replace
 
 import numpy as np
 
+from tests.support.runners import DelegatingRunner
 from tokenwire.server.models.loader import LoadedModel
-from tokenwire.server.models.runner import ModelInfo, ModelRunner
+from tokenwire.server.models.runner import ModelRunner
 
 
 class StepGate:
@@ -49,29 +50,16 @@ class StepGate:
                 self._permits -= 1
 
 
-class GatedRunner:
+class GatedRunner(DelegatingRunner):
     """Delegates to a real runner; each decode step first passes the gate."""
 
     def __init__(self, inner: ModelRunner, gate: StepGate) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self._gate = gate
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._inner.info
-
-    def capacity(self) -> int:
-        return self._inner.capacity()
-
-    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
-        return self._inner.prefill(seq_id, token_ids, start=start)
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         self._gate.pass_through()
-        return self._inner.decode(seq_ids, token_ids)
-
-    def release(self, seq_id: int) -> None:
-        self._inner.release(seq_id)
+        return self.inner.decode(seq_ids, token_ids)
 
 
 def gated(gate: StepGate):  # type: ignore[no-untyped-def]

@@ -13,6 +13,7 @@ import pytest
 from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
 from tests.support.polling import wait_until
+from tests.support.runners import DelegatingRunner
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import (
     AsyncClient,
@@ -26,7 +27,7 @@ from tokenwire.client import (
 )
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.models.loader import LoadedModel
-from tokenwire.server.models.runner import ModelInfo, ModelRunner
+from tokenwire.server.models.runner import ModelRunner
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
@@ -245,32 +246,19 @@ async def test_requests_are_unavailable_while_draining(server: TokenwireServer, 
     assert raised.value.retryable
 
 
-class _FailingRunner:
-    """The real runner, except that decode fails once a chosen token is fed back."""
+class _FailingRunner(DelegatingRunner):
+    """The real runner, except that one chosen decode step fails."""
 
     def __init__(self, inner: ModelRunner, poison_after_steps: int) -> None:
-        self._inner = inner
+        super().__init__(inner)
         self.calls = 0
         self._poison_after = poison_after_steps
-
-    @property
-    def info(self) -> ModelInfo:
-        return self._inner.info
-
-    def capacity(self) -> int:
-        return self._inner.capacity()
-
-    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
-        return self._inner.prefill(seq_id, token_ids, start=start)
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         self.calls += 1
         if self.calls == self._poison_after:
             raise RuntimeError("injected model failure")
-        return self._inner.decode(seq_ids, token_ids)
-
-    def release(self, seq_id: int) -> None:
-        self._inner.release(seq_id)
+        return self.inner.decode(seq_ids, token_ids)
 
 
 async def test_model_failure_is_internal_for_that_step_and_the_server_keeps_serving(

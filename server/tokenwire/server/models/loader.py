@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -57,104 +57,109 @@ def load_model(model_dir: Path, settings: LoadSettings, *, name: str | None = No
     tokenizer = Tokenizer.from_file(model_dir / "tokenizer.json")
     tokenizer_config = _read_json(model_dir / "tokenizer_config.json")
     chat_template = _chat_template(model_dir, tokenizer_config)
-    provider = choose_provider(settings.session.device)
-    device = ort_device_name(provider)
-    model_name = name or model_dir.name
+    common = _Common(
+        name=name or model_dir.name,
+        settings=settings,
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        eos_from_tokenizer=frozenset(_named_token_ids(tokenizer, tokenizer_config, "eos_token")),
+        device=ort_device_name(choose_provider(settings.session.device)),
+    )
     if model_format == "genai":
-        return _load_genai(
-            model_dir, settings, model_name, tokenizer, chat_template, tokenizer_config, device
+        return _load_genai(model_dir, common)
+    return _load_optimum(model_dir, common)
+
+
+@dataclass(frozen=True)
+class _Common:
+    """What loading needs whatever the layout."""
+
+    name: str
+    settings: LoadSettings
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    eos_from_tokenizer: frozenset[int]
+    device: str
+
+    def info(
+        self,
+        *,
+        model_format: str,
+        session: ort.InferenceSession,
+        vocab_size: object,
+        declared_context: object,
+        eos_token_ids: set[int],
+        search_defaults: dict[str, Any],
+    ) -> ModelInfo:
+        limit = self.settings.max_context_length
+        context = min(int(declared_context), limit) if isinstance(declared_context, int) else limit
+        return ModelInfo(
+            name=self.name,
+            format=model_format,
+            vocab_size=int(vocab_size) if isinstance(vocab_size, int) else self.tokenizer.vocab_size,
+            context_length=context,
+            eos_token_ids=frozenset(eos_token_ids) | self.eos_from_tokenizer,
+            max_batch_size=self.settings.max_batch_size,
+            default_temperature=_default_temperature(search_defaults),
+            execution_provider=session.get_providers()[0],
         )
-    return _load_optimum(model_dir, settings, model_name, tokenizer, chat_template, tokenizer_config, device)
+
+    def loaded(self, info: ModelInfo, runner: ModelRunner) -> LoadedModel:
+        return LoadedModel(
+            info=info, runner=runner, tokenizer=self.tokenizer, chat_template=self.chat_template
+        )
 
 
-def _load_genai(
-    model_dir: Path,
-    settings: LoadSettings,
-    name: str,
-    tokenizer: Tokenizer,
-    chat_template: ChatTemplate | None,
-    tokenizer_config: dict[str, Any],
-    device: str,
-) -> LoadedModel:
+def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
     config = read_genai_config(model_dir)
     model_cfg: dict[str, Any] = dict(config.get("model", {}))  # type: ignore[call-overload]
     decoder: dict[str, Any] = model_cfg.get("decoder", {})
-    search: dict[str, Any] = dict(config.get("search", {}))  # type: ignore[call-overload]
+    settings = common.settings
     session = create_session(model_dir / str(decoder.get("filename", "model.onnx")), settings.session)
     layout = SharedKvLayout.from_session(session, config)
-    context = min(
-        int(model_cfg.get("context_length", settings.max_context_length)), settings.max_context_length
+    info = common.info(
+        model_format="genai",
+        session=session,
+        vocab_size=model_cfg.get("vocab_size"),
+        declared_context=model_cfg.get("context_length"),
+        eos_token_ids=_token_ids(model_cfg.get("eos_token_id")),
+        search_defaults=dict(config.get("search", {})),  # type: ignore[call-overload]
     )
-    eos = _token_ids(model_cfg.get("eos_token_id")) | _named_token_ids(
-        tokenizer, tokenizer_config, "eos_token"
-    )
-    info = ModelInfo(
-        name=name,
-        format="genai",
-        vocab_size=int(model_cfg.get("vocab_size", tokenizer.vocab_size)),
-        context_length=context,
-        eos_token_ids=frozenset(eos),
-        max_batch_size=settings.max_batch_size,
-        default_temperature=_default_temperature(search),
-        execution_provider=session.get_providers()[0],
-        kv_cache_bytes=layout.cache_bytes(settings.max_batch_size, context),
-    )
+    info = replace(info, kv_cache_bytes=layout.cache_bytes(settings.max_batch_size, info.context_length))
     runner = SharedKvRunner(
         session,
         info,
         layout,
         slots=settings.max_batch_size,
-        max_len=context,
-        device=device,
+        max_len=info.context_length,
+        device=common.device,
         device_id=settings.session.device_id,
     )
     log.info(
-        "model %s: genai layout, context %d, KV cache %.1f MiB for %d slots",
-        name,
-        context,
+        "model %s: genai layout, context %d, KV cache %.1f MiB preallocated for %d slots",
+        info.name,
+        info.context_length,
         info.kv_cache_bytes / 2**20,
         settings.max_batch_size,
     )
-    return LoadedModel(info=info, runner=runner, tokenizer=tokenizer, chat_template=chat_template)
+    return common.loaded(info, runner)
 
 
-def _load_optimum(
-    model_dir: Path,
-    settings: LoadSettings,
-    name: str,
-    tokenizer: Tokenizer,
-    chat_template: ChatTemplate | None,
-    tokenizer_config: dict[str, Any],
-    device: str,
-) -> LoadedModel:
+def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
     config = _read_json(model_dir / "config.json")
     generation = _read_json(model_dir / "generation_config.json")
-    session = create_session(model_dir / "model.onnx", settings.session)
+    session = create_session(model_dir / "model.onnx", common.settings.session)
     context_keys = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
-    declared = next((int(config[k]) for k in context_keys if isinstance(config.get(k), int)), None)
-    context = min(declared or settings.max_context_length, settings.max_context_length)
-    eos = (
-        _token_ids(generation.get("eos_token_id"))
-        | _token_ids(config.get("eos_token_id"))
-        | _named_token_ids(tokenizer, tokenizer_config, "eos_token")
+    info = common.info(
+        model_format="optimum",
+        session=session,
+        vocab_size=config.get("vocab_size"),
+        declared_context=next((config[k] for k in context_keys if isinstance(config.get(k), int)), None),
+        eos_token_ids=_token_ids(generation.get("eos_token_id")) | _token_ids(config.get("eos_token_id")),
+        search_defaults=generation,
     )
-    info = ModelInfo(
-        name=name,
-        format="optimum",
-        vocab_size=int(config.get("vocab_size", tokenizer.vocab_size)),
-        context_length=context,
-        eos_token_ids=frozenset(eos),
-        max_batch_size=settings.max_batch_size,
-        default_temperature=_default_temperature(generation),
-        execution_provider=session.get_providers()[0],
-    )
-    log.info("model %s: optimum layout, context %d", name, context)
-    return LoadedModel(
-        info=info,
-        runner=OptimumRunner(session, info, device),
-        tokenizer=tokenizer,
-        chat_template=chat_template,
-    )
+    log.info("model %s: optimum layout, context %d (KV cache grows per step)", info.name, info.context_length)
+    return common.loaded(info, OptimumRunner(session, info, common.device))
 
 
 def _read_json(path: Path) -> dict[str, Any]:

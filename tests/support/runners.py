@@ -1,0 +1,32 @@
+"""Test-only wrappers around a real model runner (the real ONNX Runtime work still happens)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from tokenwire.server.models.runner import ModelInfo, ModelRunner
+
+
+class DelegatingRunner:
+    """Passes every call to the wrapped runner; subclasses intercept the calls they test."""
+
+    def __init__(self, inner: ModelRunner) -> None:
+        self.inner = inner
+
+    @property
+    def info(self) -> ModelInfo:
+        return self.inner.info
+
+    def capacity(self) -> int:
+        return self.inner.capacity()
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+        return self.inner.prefill(seq_id, token_ids, start=start)
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        return self.inner.decode(seq_ids, token_ids)
+
+    def release(self, seq_id: int) -> None:
+        self.inner.release(seq_id)
