@@ -1,0 +1,117 @@
+"""`buf curl` (from npm, no local proto files: it learns the service through server reflection)
+runs Generate and StreamGenerate, and reads the rich error of a bad request."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tests.interop.conftest import require_node_module, require_tool, run_tool
+from tests.reliability.recovery import assert_recovered
+from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping
+from tokenwire.server.app import TokenwireServer
+
+SERVICE = "tokenwire.v1.InferenceService"
+
+
+async def buf_curl(port: int, *arguments: str, stdin: str | None = None) -> tuple[int, str, str]:
+    npx = require_tool("npx")
+    require_node_module("@bufbuild/buf")
+    finished = await run_tool(
+        npx,
+        "--no-install",
+        "buf",
+        "curl",
+        "--protocol",
+        "grpc",
+        "--http2-prior-knowledge",
+        *arguments,
+        stdin=stdin,
+    )
+    return finished.code, finished.stdout, finished.stderr
+
+
+def json_values(text: str) -> list[Any]:
+    """The JSON documents buf curl printed one after another."""
+    decoder = json.JSONDecoder()
+    values, at = [], 0
+    while (at := len(text) - len(text[at:].lstrip())) < len(text):
+        value, at = decoder.raw_decode(text, at)
+        values.append(value)
+    return values
+
+
+async def test_buf_curl_lists_the_methods_through_reflection(server: TokenwireServer) -> None:
+    code, out, err = await buf_curl(server.port, "--list-methods", f"http://127.0.0.1:{server.port}")
+    assert code == 0, err
+    methods = set(out.split())
+    assert {f"{SERVICE}/Generate", f"{SERVICE}/StreamGenerate", f"{SERVICE}/ListModels"} <= methods
+    assert "grpc.health.v1.Health/Check" in methods
+
+
+async def test_buf_curl_generate_returns_the_same_tokens_as_the_python_client(
+    server: TokenwireServer,
+) -> None:
+    body = {
+        "prompt": "The capital of France is",
+        "sampling": {"temperature": 0},
+        "stopping": {"maxNewTokens": 16},
+    }
+    code, out, err = await buf_curl(
+        server.port, "-d", json.dumps(body), f"http://127.0.0.1:{server.port}/{SERVICE}/Generate"
+    )
+    assert code == 0, err
+    response = json.loads(out)
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
+        reference = await client.generate(
+            "The capital of France is",
+            GenerateOptions(sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=16)),
+        )
+    assert response["tokenIds"] == list(reference.token_ids)
+    assert response["text"] == reference.text
+    assert response["usage"]["completionTokens"] == reference.completion_tokens
+    assert response["finishReason"] == f"FINISH_REASON_{reference.finish_reason.name}"
+    assert response["requestId"].startswith("gen-")
+    await assert_recovered(server)
+
+
+async def test_buf_curl_streams_two_generations_on_one_call(server: TokenwireServer) -> None:
+    lines = "\n".join(
+        json.dumps(
+            {
+                "generate": {
+                    "requestId": rid,
+                    "prompt": "Hi",
+                    "stopping": {"maxNewTokens": n, "ignoreEos": True},
+                }
+            }
+        )
+        for rid, n in (("a", 5), ("b", 3))
+    )
+    code, out, err = await buf_curl(
+        server.port, "-d", "@-", f"http://127.0.0.1:{server.port}/{SERVICE}/StreamGenerate", stdin=lines
+    )
+    assert code == 0, err
+    events: dict[str, list[str]] = {}
+    tokens: dict[str, list[int]] = {}
+    for message in json_values(out):
+        kind = next(k for k in message if k != "requestId")
+        events.setdefault(message["requestId"], []).append(kind)
+        if kind == "chunk":
+            tokens.setdefault(message["requestId"], []).extend(message["chunk"]["tokenIds"])
+    for request_id, count in (("a", 5), ("b", 3)):
+        assert events[request_id][:2] == ["queued", "started"]
+        assert events[request_id][-1] == "completed"
+        assert len(tokens[request_id]) == count
+    await assert_recovered(server)
+
+
+async def test_buf_curl_shows_invalid_argument_with_its_bad_request_detail(server: TokenwireServer) -> None:
+    code, _, err = await buf_curl(
+        server.port, "-d", json.dumps({"prompt": ""}), f"http://127.0.0.1:{server.port}/{SERVICE}/Generate"
+    )
+    assert code != 0
+    error = json.loads(err)
+    assert error["code"] == "invalid_argument"
+    assert "prompt" in error["message"]
+    assert [d["type"] for d in error["details"]] == ["google.rpc.BadRequest"]
