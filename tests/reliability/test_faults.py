@@ -22,9 +22,10 @@ from pathlib import Path
 import grpc
 import numpy as np
 import pytest
+from grpc_health.v1 import health_pb2
 
 from tests.conftest import ServerFactory
-from tests.reliability.recovery import assert_recovered, greedy
+from tests.reliability.recovery import assert_recovered, greedy, health_status
 from tests.reliability.workload import Outcome, build_mix, run_load
 from tests.support.events import Transcript, read_until
 from tests.support.polling import wait_until
@@ -360,3 +361,32 @@ async def test_failing_model_steps_fail_only_their_requests_and_the_stream_stays
         assert isinstance(last, Completed) and last.generation.completion_tokens == 20, request_id
     stats = await assert_recovered(server)
     assert stats.step_failures == 2
+
+
+# -- drain -----------------------------------------------------------------------------------------
+
+
+async def test_drain_under_load_finishes_accepted_work_and_refuses_the_rest_as_retryable(
+    start_server: ServerFactory,
+) -> None:
+    server = await start_server(max_batch_size=4, max_queue_size=8)
+    engine = server.registry.default.engine
+    load = asyncio.create_task(
+        run_load(f"127.0.0.1:{server.port}", build_mix(300, seed=5), concurrency=24, hang_timeout=30)
+    )
+    await wait_until(lambda: engine.live_count >= engine.slots, what="the load to fill the batch")
+    drained = await server.drain(timeout=30)
+    run = await asyncio.wait_for(load, 60)
+
+    assert drained
+    assert not run.problems(), "\n".join(run.problems()[:20])  # includes "accepted, then UNAVAILABLE"
+    assert {o.outcome for o in run.outcomes} <= {
+        Outcome.COMPLETED,
+        Outcome.REJECTED,
+        Outcome.DEADLINE,
+        Outcome.UNAVAILABLE,
+    }
+    assert run.count(Outcome.UNAVAILABLE) > 0, run.by_outcome()
+    assert engine.live_count == 0 and engine.queue_depth == 0
+    assert engine.stats.orphaned_steps == 0
+    assert await health_status(server.port) == health_pb2.HealthCheckResponse.NOT_SERVING

@@ -57,6 +57,8 @@ class Outcome(str, Enum):
     """Completed with FINISH_REASON_CANCELLED after the client cancelled it (soak mix only)."""
     REJECTED = "resource_exhausted"
     DEADLINE = "deadline_exceeded"
+    UNAVAILABLE = "unavailable"
+    """Refused because the server is draining (retryable); never after the request was accepted."""
     HUNG = "hung"
     UNEXPECTED = "unexpected"
 
@@ -148,6 +150,8 @@ def _error_outcome(request: LoadRequest, spec: GenerationSpec, error: Exception)
                 request, spec, Outcome.UNEXPECTED, detail=f"no deadline was set: {error}"
             )
         return GenerationOutcome(request, spec, Outcome.DEADLINE)
+    if error.code is grpc.StatusCode.UNAVAILABLE and error.retryable:
+        return GenerationOutcome(request, spec, Outcome.UNAVAILABLE)
     return GenerationOutcome(request, spec, Outcome.UNEXPECTED, detail=str(error))
 
 
@@ -214,7 +218,10 @@ def _stream_outcome(
         return GenerationOutcome(request, spec, Outcome.UNEXPECTED, detail=problem)
     last = events[-1]
     if isinstance(last, Failed):
-        return _error_outcome(request, spec, last.error)
+        failed = _error_outcome(request, spec, last.error)
+        if failed.outcome is Outcome.UNAVAILABLE and isinstance(events[0], Queued):
+            return replace(failed, outcome=Outcome.UNEXPECTED, detail=f"accepted, then failed: {last.error}")
+        return failed
     assert isinstance(last, Completed)
     tokens = tuple(t for e in events if isinstance(e, Chunk) for t in e.token_ids)
     generation = last.generation
