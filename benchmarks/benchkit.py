@@ -18,12 +18,13 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 REPO = Path(__file__).resolve().parent.parent
+T = TypeVar("T")
 LOOPBACK = "127.0.0.1"
 PROMPT_TOKENS = 100
 NEW_TOKENS = 128
@@ -436,7 +437,36 @@ async def tokenwire_streams(
 
 
 def run_streams(target: str, prompts: Sequence[Sequence[int]], new_tokens: int) -> list[StreamedRun]:
+    return _run(tokenwire_streams(target, prompts, new_tokens))
+
+
+def run_unary(target: str, ids: Sequence[int], new_tokens: int) -> dict[str, float]:
+    """One greedy unary Generate: the server's own timing (no per-token messages on the wire)."""
+    return _run(_unary(target, ids, new_tokens))
+
+
+async def _unary(target: str, ids: Sequence[int], new_tokens: int) -> dict[str, float]:
+    from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping
+
+    options = GenerateOptions(
+        sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=new_tokens, ignore_eos=True)
+    )
+    client = _clients.get(target)
+    if client is None:
+        client = _clients[target] = AsyncClient(target, retries=False)
+    sent = time.perf_counter()
+    generation = await client.generate(list(ids), options, deadline=600)
+    total = time.perf_counter() - sent
+    timing = generation.timing
+    return {
+        "ttft": timing.time_to_first_token or 0.0,
+        "decode_rate": timing.decode_tokens_per_second,
+        "total": total,
+    }
+
+
+def _run(coroutine: Coroutine[Any, Any, T]) -> T:
     global _event_loop
     if _event_loop is None:  # one event loop for the script, so the channels stay connected
         _event_loop = asyncio.Runner()
-    return _event_loop.run(tokenwire_streams(target, prompts, new_tokens))
+    return _event_loop.run(coroutine)

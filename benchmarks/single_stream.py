@@ -1,8 +1,10 @@
 """One stream, side by side: ONNX Runtime GenAI's Generator, a minimal ONNX Runtime loop, tokenwire.
 
-Same ONNX file, 2 intra-op threads, the same ~100-token prompt, 128 greedy new tokens. The three
+Same ONNX file, 2 intra-op threads, the same ~100-token prompt, 128 greedy new tokens. They
 are run in turn (the order rotates every repetition) and each figure is the median over the
-repetitions. Also: tokenwire's time to first token at idle against the raw prefill of the prompt.
+repetitions. tokenwire is measured twice: streaming (as a client sees it) and unary Generate (the
+server's own timing, with no per-token message on the wire), which separates the cost of
+streaming from the rest. Also: tokenwire's time to first token at idle against the raw prefill.
 
     python benchmarks/single_stream.py [--repetitions 5]
 
@@ -34,7 +36,7 @@ def main() -> None:
     ids = benchkit.prompt_ids(directory)
     raw = RawLoop(directory, threads=THREADS, slots=1, max_len=len(ids) + NEW_TOKENS + 1)
     genai_python = benchkit.external_python("TOKENWIRE_BENCH_GENAI_PYTHON", "genai-venv")
-    results: dict[str, list[dict[str, float]]] = {"genai": [], "raw": [], "tokenwire": []}
+    results: dict[str, list[dict[str, float]]] = {"genai": [], "raw": [], "tokenwire": [], "unary": []}
     prefill: list[float] = []
 
     with benchkit.temporary_dir(benchkit.genai_model_copy(directory)) as genai_dir:
@@ -68,9 +70,13 @@ def main() -> None:
                 figures["server_prefill"] = streamed.server_prefill
                 return figures
 
+            def run_unary() -> dict[str, float]:
+                return benchkit.run_unary(server.target, ids, NEW_TOKENS)
+
             systems: list[tuple[str, Callable[[], dict[str, float]]]] = [
                 ("raw", run_raw),
                 ("tokenwire", run_tokenwire),
+                ("unary", run_unary),
             ]
             if genai is not None:
                 systems.insert(0, ("genai", run_genai))
@@ -109,6 +115,7 @@ def _report(
         "genai": "ONNX Runtime GenAI Generator",
         "raw": "minimal ONNX Runtime loop (IO binding)",
         "tokenwire": "tokenwire, 1 stream over gRPC",
+        "unary": "tokenwire, unary Generate (server-side timing)",
     }
     reference = "genai" if results["genai"] else "raw"
     rows: list[list[object]] = []
