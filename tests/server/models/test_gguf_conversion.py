@@ -133,7 +133,9 @@ def test_graph_inputs_and_outputs(converted_mixed: Path) -> None:
     ("offsets", "atol"),
     [
         ("float", 1e-4),  # float32 against float64 only
-        ("folded", 5e-3),  # plus offsets folded at ~11 bits (see quantized.fold_offsets)
+        # Plus folded offsets (within ~1/400 of a quantization step, see quantized.fold_offsets):
+        # about 1% of the logits' spread; zero points alone (no remainder) miss by twice the spread.
+        ("folded", 1e-2),
     ],
 )
 @pytest.mark.parametrize("which", ["mixed_gguf", "q4_1_gguf"])

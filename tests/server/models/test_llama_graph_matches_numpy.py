@@ -161,9 +161,9 @@ def quantized_reference() -> ReferenceModel:
     ("offsets", "atol"),
     [
         ("float", ATOL),
-        # Folded offsets keep ~11 bits of each block offset: errors of ~1e-3 of the offsets'
-        # share of the output, far below the 1e-2 a missing or misplaced offset would cause.
-        ("folded", 2e-3),
+        # Folded offsets are kept to within ~1/400 of a quantization step: measured errors of
+        # ~3e-3 on logits spread over ~6 units; zero points alone (no remainder) miss by ~5.
+        ("folded", 5e-3),
     ],
 )
 def test_quantized_weights_match_their_dequantized_values(

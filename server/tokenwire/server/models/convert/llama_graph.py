@@ -60,6 +60,7 @@ class GraphOptions:
     # quantized input columns of the same MatMulNBits (fast; float16-level precision), or
     # "float": a float32 (block sums @ offsets) correction added after it (exact, slower).
     offsets: Literal["folded", "float"] = "folded"
+    offset_levels: int | None = None  # rounds of folding; None: quantized.OFFSET_LEVELS
 
 
 def rotary_caches(
@@ -142,7 +143,7 @@ class _LlamaGraphBuilder:
 
     def quantized_linear(self, x: str, weight: QuantizedMatrix, name: str) -> str:
         if weight.offsets is not None and self.options.offsets == "folded":
-            folded = fold_offsets(weight)
+            folded = fold_offsets(weight, self.options.offset_levels)
             x = self.with_block_sums(x, weight.cols, weight.block_size, folded.sum_width, folded.levels)
             weight = folded.matrix
         b = self.g.initializer(weight.packed_codes(), f"{name}.weight_Q{weight.bits}G{weight.block_size}")
@@ -170,9 +171,12 @@ class _LlamaGraphBuilder:
         return self._augmented[key]
 
     def matmul_nbits(self, x: str, b: str, scales: str, weight: QuantizedMatrix, name: str) -> str:
+        inputs = [x, b, scales]
+        if weight.zero_points is not None:
+            inputs.append(self.g.initializer(weight.packed_zero_points(), f"{name}.weight_zero_points"))
         return self.g.one(
             "MatMulNBits",
-            [x, b, scales],
+            inputs,
             f"{name}/MatMulNBits",
             domain=CONTRIB_DOMAIN,
             K=weight.cols,

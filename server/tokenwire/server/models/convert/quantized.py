@@ -7,9 +7,10 @@ point of `2**(bits-1)` when none is given (the fast int8 path needs integer zero
 float zero point sends the kernel to a slow dequantize-then-GEMM path). So the codes are copied
 bit-exactly into MatMulNBits blocks and whatever the fixed zero point cannot express is kept as
 one float per block, `offset + scale * (zero_point - shift)`. Its contribution to the output is
-`(per-block sums of the input) @ offsets.T`; `fold_offsets` turns that into extra quantized
-input columns of the same matrix (keeping the offsets to about float16 precision, the precision
-GGUF stores them in), or the graph adds it in float32. Codes and scales are never requantized.
+`(per-block sums of the input) @ offsets.T`; `fold_offsets` moves the whole steps of each offset
+into the block's integer zero point and turns the rest into extra quantized input columns of
+the same matrix (within about 1/400 of a step), or the graph adds it in float32. Codes and
+scales are never requantized.
 
 Formats without a decoder here (2- and 3-bit K formats, the IQ family) are dequantized to
 float by the caller instead.
@@ -41,6 +42,8 @@ class QuantizedMatrix:
     offsets: F32 | None  # [rows, cols // block_size] or None
     bits: int
     block_size: int
+    # Integer zero point per block ([rows, cols // block_size]); None means 2**(bits-1) everywhere.
+    zero_points: U8 | None = None
 
     def __post_init__(self) -> None:
         rows, cols = self.codes.shape
@@ -53,6 +56,8 @@ class QuantizedMatrix:
             raise ValueError(f"scales have shape {self.scales.shape}, expected {blocks}")
         if self.offsets is not None and self.offsets.shape != blocks:
             raise ValueError(f"offsets have shape {self.offsets.shape}, expected {blocks}")
+        if self.zero_points is not None and self.zero_points.shape != blocks:
+            raise ValueError(f"zero points have shape {self.zero_points.shape}, expected {blocks}")
 
     @property
     def rows(self) -> int:
@@ -75,9 +80,14 @@ class QuantizedMatrix:
         """(bits, block_size): matrices with the same layout can share one MatMulNBits."""
         return (self.bits, self.block_size)
 
+    def block_zero_points(self) -> U8:
+        if self.zero_points is not None:
+            return self.zero_points
+        return np.full(self.scales.shape, self.zero_point, dtype=np.uint8)
+
     def dequantize(self) -> F32:
         blocks = self.codes.reshape(self.rows, self.blocks_per_row, self.block_size).astype(np.float32)
-        weights = (blocks - np.float32(self.zero_point)) * self.scales[:, :, None]
+        weights = (blocks - self.block_zero_points()[:, :, None].astype(np.float32)) * self.scales[:, :, None]
         if self.offsets is not None:
             weights += self.offsets[:, :, None]
         return weights.reshape(self.rows, self.cols)
@@ -89,6 +99,7 @@ class QuantizedMatrix:
             offsets=None if self.offsets is None else self.offsets[index],
             bits=self.bits,
             block_size=self.block_size,
+            zero_points=None if self.zero_points is None else self.zero_points[index],
         )
 
     def packed_codes(self) -> U8:
@@ -98,6 +109,15 @@ class QuantizedMatrix:
             return np.ascontiguousarray(blocks)
         pairs = blocks.reshape(self.rows, self.blocks_per_row, self.block_size // 2, 2)
         return (pairs[..., 0] | (pairs[..., 1] << 4)).astype(np.uint8)
+
+    def packed_zero_points(self) -> U8:
+        """Zero points in MatMulNBits' layout: per row, blocks in order, two 4-bit values a byte."""
+        points = self.block_zero_points()
+        if self.bits == 8:
+            return points.reshape(-1)
+        if points.shape[1] % 2:
+            points = np.concatenate([points, np.zeros((self.rows, 1), dtype=np.uint8)], axis=1)
+        return (points[:, 0::2] | (points[:, 1::2] << 4)).astype(np.uint8).reshape(-1)
 
     def offsets_or_zeros(self) -> F32:
         if self.offsets is None:
@@ -111,30 +131,35 @@ def concat_rows(matrices: Sequence[QuantizedMatrix]) -> QuantizedMatrix:
     if len(layouts) != 1:
         raise ValueError(f"cannot stack matrices of different layouts {sorted(layouts)}")
     any_offsets = any(m.offsets is not None for m in matrices)
+    any_zero_points = any(m.zero_points is not None for m in matrices)
     return QuantizedMatrix(
         codes=np.concatenate([m.codes for m in matrices]),
         scales=np.concatenate([m.scales for m in matrices]),
         offsets=np.concatenate([m.offsets_or_zeros() for m in matrices]) if any_offsets else None,
         bits=matrices[0].bits,
         block_size=matrices[0].block_size,
+        zero_points=np.concatenate([m.block_zero_points() for m in matrices]) if any_zero_points else None,
     )
 
 
-# Rounds of quantization that fold_offsets spends on the offsets: each 4-bit round leaves at most
-# 1/14 of the previous residual, each 8-bit round 1/254, so the folded offsets keep about 11 and
-# 16 bits, at or beyond the float16 precision GGUF stores them in.
-OFFSET_LEVELS = {4: 3, 8: 2}
+# Rounds of quantization that fold_offsets spends on what the integer zero points leave of the
+# offsets (at most half a quantization step per block): each 4-bit round leaves at most 1/14 of
+# the previous residual, an 8-bit round 1/254, so about 1/400 of a step remains. Measured on
+# SmolLM2 (Q4_1), the next-token distributions are then as close to the float32 reference as
+# with an exact float32 correction; one 4-bit round is measurably worse.
+OFFSET_LEVELS = {4: 2, 8: 1}
 
 
 @dataclass(frozen=True)
 class FoldedOffsets:
     """A matrix with its per-block offsets moved into extra input columns.
 
-    `matrix` multiplies `Concat(x, s, s, ...)`, with `levels` copies of `s`: the per-block sums
-    of `x`, zero-padded to `sum_width`. Copy `i` of `s` meets the offsets' `i`-th rounding
-    residual, quantized like the rest of the matrix, so one MatMulNBits computes
-    `x @ W.T` including the offsets, where a separate float correction would cost two more
-    kernels and a full-precision read of the offsets on every step.
+    Each block's offset is split into a whole number of quantization steps, which becomes the
+    block's integer zero point, and a remainder. `matrix` multiplies `Concat(x, s, s, ...)`,
+    with `levels` copies of `s`: the per-block sums of `x`, zero-padded to `sum_width`; copy `i`
+    meets the remainder's `i`-th rounding residual, quantized like the rest of the matrix. So
+    one MatMulNBits computes `x @ W.T` including the offsets, where a separate float correction
+    would cost two more kernels and a full-precision read of the offsets on every step.
     """
 
     matrix: QuantizedMatrix
@@ -142,32 +167,42 @@ class FoldedOffsets:
     levels: int
 
 
-def fold_offsets(weight: QuantizedMatrix) -> FoldedOffsets:
+def fold_offsets(weight: QuantizedMatrix, levels: int | None = None) -> FoldedOffsets:
     if weight.offsets is None:
         raise ValueError("matrix has no offsets to fold")
-    levels = OFFSET_LEVELS[weight.bits]
+    levels = OFFSET_LEVELS[weight.bits] if levels is None else levels
     rows, blocks = weight.offsets.shape
     sum_width = -(-blocks // weight.block_size) * weight.block_size
-    zero_point = weight.zero_point
-    largest_code = zero_point - 1
+    default_zero_point = weight.zero_point
+    largest_code = default_zero_point - 1
+    # First the whole multiples of each block's scale, into the block's integer zero point
+    # (applied inside the kernel for free); what remains is at most half a step per block.
+    base = weight.block_zero_points().astype(np.float64)
+    scales = weight.scales.astype(np.float64)
+    safe = np.where(scales == 0, 1.0, scales)
+    wanted = np.where(scales == 0, base, base - weight.offsets / safe)
+    zero_points = np.clip(np.rint(wanted), 0, (1 << weight.bits) - 1)
+    remainder = weight.offsets - scales * (base - zero_points)
     # [rows, level blocks, block_size]: each block of a level gets its own scale.
     residual = np.zeros((rows, sum_width), dtype=np.float64)
-    residual[:, :blocks] = weight.offsets
+    residual[:, :blocks] = remainder
     residual = residual.reshape(rows, -1, weight.block_size)
-    codes, scales = [weight.codes], [weight.scales]
+    all_codes, all_scales = [weight.codes], [weight.scales]
     for _ in range(levels):
         scale = np.abs(residual).max(axis=2, keepdims=True) / largest_code
         scale[scale == 0] = 1.0  # an all-zero block: any scale encodes it exactly
-        level = np.clip(np.rint(residual / scale), -zero_point, largest_code)
+        level = np.clip(np.rint(residual / scale), -default_zero_point, largest_code)
         residual -= level * scale
-        codes.append((level + zero_point).astype(np.uint8).reshape(rows, sum_width))
-        scales.append(scale[:, :, 0].astype(np.float32))
+        all_codes.append((level + default_zero_point).astype(np.uint8).reshape(rows, sum_width))
+        all_scales.append(scale[:, :, 0].astype(np.float32))
+    level_zero_points = np.full((rows, levels * sum_width // weight.block_size), default_zero_point)
     matrix = QuantizedMatrix(
-        codes=np.concatenate(codes, axis=1),
-        scales=np.concatenate(scales, axis=1),
+        codes=np.concatenate(all_codes, axis=1),
+        scales=np.concatenate(all_scales, axis=1),
         offsets=None,
         bits=weight.bits,
         block_size=weight.block_size,
+        zero_points=np.concatenate([zero_points, level_zero_points], axis=1).astype(np.uint8),
     )
     return FoldedOffsets(matrix=matrix, sum_width=sum_width, levels=levels)
 
