@@ -15,7 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -47,8 +47,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
-def gate() -> StepGate:
-    return StepGate()
+def gate() -> Iterator[StepGate]:
+    """A closed gate; opened at teardown (before the server stops) even when the test failed."""
+    held = StepGate()
+    yield held
+    held.open()
 
 
 async def drain_stream(
@@ -59,6 +62,20 @@ async def drain_stream(
             transcript.add(event)
 
     await asyncio.wait_for(read_all(), timeout)
+
+
+async def reading(
+    events: AsyncIterator[StreamEvent],
+    transcript: Transcript,
+    condition: Callable[[Transcript], bool],
+    timeout: float = 30.0,
+) -> None:
+    """read_until with a bound: fails the test instead of waiting forever for an event."""
+    await asyncio.wait_for(read_until(events, transcript, condition), timeout)
+
+
+def all_heard_of(request_ids: list[str]) -> Callable[[Transcript], bool]:
+    return lambda transcript: all(transcript.events[r] for r in request_ids)
 
 
 def final(transcript: Transcript, request_id: str) -> StreamEvent:
@@ -162,9 +179,7 @@ async def test_cancel_wave_on_held_steps_stops_exactly_the_cancelled_work(
             for index in range(3):
                 await stream.submit(f"{name}{index}", f"Stream {name}, generation {index}", greedy(20))
         for name, events in readers.items():
-            await read_until(
-                events, transcripts[name], lambda t, n=name: all(t.events[f"{n}{i}"] for i in range(3))
-            )
+            await reading(events, transcripts[name], all_heard_of([f"{name}{i}" for i in range(3)]))
         unary = [asyncio.create_task(client.generate(f"Unary {i}", greedy(20))) for i in range(3)]
         await wait_until(lambda: engine.live_count == 12, what="12 accepted requests")
 
@@ -177,7 +192,7 @@ async def test_cancel_wave_on_held_steps_stops_exactly_the_cancelled_work(
         await wait_until(lambda: engine.stats.abort_requests == 7, what="seven aborts to reach the engine")
 
         gate.open()
-        await read_until(readers["a"], transcripts["a"], lambda t: t.finished("a0"))
+        await reading(readers["a"], transcripts["a"], lambda t: t.finished("a0"))
         await streams["a"].cancel("a0")  # no longer live: does nothing
         for name in ("a", "b"):
             await streams[name].close_requests()
@@ -243,18 +258,18 @@ async def test_deadlines_passing_in_the_queue_and_mid_decode_stop_the_work(
         events = stream.events()
         # Each newcomer waits while the engine is held in a step; one allowed step admits it.
         await stream.submit("long", "No deadline", greedy(30))
-        await read_until(events, transcript, lambda t: len(t.chunks("long")) == 1)
+        await reading(events, transcript, lambda t: len(t.chunks("long")) == 1)
         await stream.submit("mid", "Runs out of time mid-decode", greedy(30, timeout=0.5))
         await wait_until(lambda: engine.queue_depth == 1, what="mid to wait")
         gate.allow(1)
-        await read_until(events, transcript, lambda t: len(t.chunks("mid")) == 1)
+        await reading(events, transcript, lambda t: len(t.chunks("mid")) == 1)
         running = asyncio.create_task(client.generate("Unary, running", greedy(30), deadline=1.0))
         await wait_until(lambda: engine.queue_depth == 1, what="the unary call to wait")
         gate.allow(1)
         await wait_until(lambda: engine.live_count == 3 and engine.queue_depth == 0, what="three running")
-        await read_until(events, transcript, lambda t: len(t.chunks("mid")) == 2)
+        await reading(events, transcript, lambda t: len(t.chunks("mid")) == 2)
         await stream.submit("queued", "Runs out of time in the queue", greedy(30, timeout=0.5))
-        await read_until(events, transcript, lambda t: bool(t.events["queued"]))
+        await reading(events, transcript, lambda t: bool(t.events["queued"]))
         waiting = asyncio.create_task(client.generate("Unary, queued", greedy(30), deadline=1.0))
         await wait_until(lambda: engine.queue_depth == 2, what="two queued requests")
 
@@ -266,7 +281,7 @@ async def test_deadlines_passing_in_the_queue_and_mid_decode_stop_the_work(
             assert raised.value.code is grpc.StatusCode.DEADLINE_EXCEEDED
         steps_before = engine.stats.decode_steps
         gate.allow(1)  # the held step ends; the next boundary applies every deadline
-        await read_until(events, transcript, lambda t: t.finished("mid") and t.finished("queued"))
+        await reading(events, transcript, lambda t: t.finished("mid") and t.finished("queued"))
         gate.open()
         await stream.close_requests()
         await drain_stream(events, transcript)
@@ -340,12 +355,12 @@ async def test_failing_model_steps_fail_only_their_requests_and_the_stream_stays
     ):
         events = stream.events()
         await stream.submit("s0", "Alone first", greedy(20))
-        await read_until(events, transcript, lambda t: len(t.chunks("s0")) == 1)
+        await reading(events, transcript, lambda t: len(t.chunks("s0")) == 1)
         for index in range(1, 6):
             await stream.submit(f"s{index}", f"Behind the held step {index}", greedy(20))
         await wait_until(lambda: engine.live_count == 6, what="six live requests")
         gate.open()
-        await read_until(events, transcript, lambda t: all(t.finished(f"s{i}") for i in range(6)))
+        await reading(events, transcript, lambda t: all(t.finished(f"s{i}") for i in range(6)))
         await stream.submit("s6", "After the failures, same stream", greedy(20))
         await stream.close_requests()
         await drain_stream(events, transcript)
