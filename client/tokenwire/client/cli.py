@@ -68,15 +68,20 @@ def _add_connection_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tls-ca", type=Path, help="CA certificate (PEM) to trust; enables TLS")
     parser.add_argument("--tls-cert", type=Path, help="client certificate (PEM) for mutual TLS")
     parser.add_argument("--tls-key", type=Path, help="client private key (PEM) for mutual TLS")
+    parser.add_argument(
+        "--tls-server-name",
+        help="name to check the server's certificate against, when it differs from --server's host",
+    )
 
 
 def connect(args: argparse.Namespace) -> Client:
     tls = None
-    if args.tls_ca or args.tls_cert:
+    if args.tls_ca or args.tls_cert or args.tls_server_name:
         tls = Tls(
             root_certificates=args.tls_ca.read_bytes() if args.tls_ca else None,
             certificate_chain=args.tls_cert.read_bytes() if args.tls_cert else None,
             private_key=args.tls_key.read_bytes() if args.tls_key else None,
+            server_name_override=args.tls_server_name,
         )
     return Client(args.server, token=args.token, tls=tls)
 

@@ -54,6 +54,11 @@ class HealthReporter:
     def overloaded(self) -> bool:
         return bool(self._overloaded)
 
+    async def settled(self) -> None:
+        """Return once every status published so far has reached the health service."""
+        if self._updates:
+            await asyncio.gather(*self._updates)
+
     def phase_changed(self, phase: ServingPhase) -> None:
         self._phase = phase
         self._publish()

@@ -492,7 +492,7 @@ def _build(
             otlp_metrics=flag("otlp_metrics"),
             service_name=text("service_name"),
             access_log=flag("access_log"),
-            log_level=text("log_level").upper(),
+            log_level=text("log_level"),
             log_format="json" if log_format == "json" else "text",
         ),
         auth=AuthSettings(tokens=tokens, protect_health=flag("auth_health")),

@@ -1,0 +1,192 @@
+"""Settings come from flags, then TOKENWIRE_* variables, then a TOML file, then defaults; bad ones
+stop `tokenwire serve` at start with every problem named."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tokenwire.server import settings_sources
+from tokenwire.server.cli import build_parser
+from tokenwire.server.config import DEFAULT_METRICS_PORT, ModelSource, ServerSettings
+from tokenwire.server.settings_sources import SETTINGS, SettingsError
+
+
+def serve_args(*argv: str) -> argparse.Namespace:
+    return build_parser().parse_args(["serve", *argv])
+
+
+def load(*argv: str, environ: dict[str, str] | None = None) -> ServerSettings:
+    return settings_sources.load(serve_args(*argv), environ or {})
+
+
+def problems(*argv: str, environ: dict[str, str] | None = None) -> tuple[str, ...]:
+    with pytest.raises(SettingsError) as raised:
+        load(*argv, environ=environ)
+    return raised.value.problems
+
+
+def write_config(folder: Path, text: str) -> Path:
+    path = folder / "tokenwire.toml"
+    path.write_text(text, encoding="utf-8")
+    return path
+
+
+def test_without_any_source_every_setting_has_its_documented_default() -> None:
+    settings = load()
+    library = ServerSettings()
+    assert settings.models == ()
+    assert settings.port == library.port == 50051
+    assert settings.max_batch_size == library.max_batch_size
+    assert settings.limits == library.limits
+    assert settings.keepalive == library.keepalive
+    assert settings.auth == library.auth and not settings.auth.enabled
+    assert settings.tls == library.tls and not settings.tls.enabled
+    assert settings.health == library.health
+    # The one deliberate difference: the command serves metrics, the library opens no port.
+    assert settings.telemetry.metrics_port == DEFAULT_METRICS_PORT
+    assert library.telemetry.metrics_port is None
+
+
+def test_a_flag_beats_the_environment_which_beats_the_file_which_beats_the_default(tmp_path: Path) -> None:
+    config = write_config(
+        tmp_path,
+        "max_batch_size = 3\nmax_queue_size = 30\ndrain_timeout = 3.5\naccess_log = false\n"
+        'log_format = "json"\nhealth_queue_high_watermark = 20\n',
+    )
+    environ = {
+        "TOKENWIRE_MAX_QUEUE_SIZE": "40",
+        "TOKENWIRE_DRAIN_TIMEOUT": "4.5",
+        "TOKENWIRE_ACCESS_LOG": "yes",
+    }
+    settings = load("--config", str(config), "--drain-timeout", "5.5", environ=environ)
+    assert settings.max_batch_size == 3  # file over default
+    assert settings.max_queue_size == 40  # environment over file
+    assert settings.drain_timeout == 5.5  # flag over environment and file
+    assert settings.telemetry.access_log is True  # environment over file, for a switch
+    assert settings.telemetry.log_format == "json"
+    assert settings.health.queue_high_watermark == 20
+    assert load("--config", str(config), "--no-access-log", environ=environ).telemetry.access_log is False
+
+
+def test_the_config_file_can_come_from_the_environment_and_its_paths_are_relative_to_it(
+    tmp_path: Path,
+) -> None:
+    model = tmp_path / "models" / "tiny"
+    model.mkdir(parents=True)
+    (tmp_path / "tokens.txt").write_text("file-token\n", encoding="utf-8")
+    config = write_config(tmp_path, 'model = ["small=models/tiny"]\nauth_tokens_file = "tokens.txt"\n')
+    settings = load(environ={"TOKENWIRE_CONFIG": str(config), "TOKENWIRE_AUTH_TOKENS": "env-token"})
+    assert settings.models == (ModelSource(tmp_path / "models" / "tiny", "small"),)
+    assert settings.auth.tokens == ("file-token", "env-token")
+    # --model given on the command line replaces the file's list entirely.
+    assert load("--model", str(model), environ={"TOKENWIRE_CONFIG": str(config)}).models == (
+        ModelSource(model),
+    )
+    assert "env-token" not in repr(settings)  # tokens never show in a repr
+
+
+def test_metrics_can_be_switched_off_from_any_source(tmp_path: Path) -> None:
+    assert load("--no-metrics").telemetry.metrics_port is None
+    assert load(environ={"TOKENWIRE_METRICS": "false"}).telemetry.metrics_port is None
+    config = write_config(tmp_path, "metrics = false\n")
+    assert load("--config", str(config)).telemetry.metrics_port is None
+    assert load("--config", str(config), "--metrics", "--metrics-port", "0").telemetry.metrics_port == 0
+
+
+def test_every_problem_is_reported_at_once_naming_the_setting_and_where_it_came_from(tmp_path: Path) -> None:
+    config = write_config(tmp_path, 'max_batch_sise = 4\nkeepalive_time = "soon"\n')
+    found = problems(
+        "--config",
+        str(config),
+        "--port",
+        "70000",
+        environ={"TOKENWIRE_MAX_QUEUE_SIZE": "many", "TOKENWIRE_REFLECTION": "perhaps"},
+    )
+    assert (
+        f"--config: {config} sets 'max_batch_sise', which is not a setting (did you mean 'max_batch_size'?)"
+        in found
+    )
+    assert f"--keepalive-time (from keepalive_time in {config}): 'soon' is not a number of seconds" in found
+    assert "--max-queue-size (from TOKENWIRE_MAX_QUEUE_SIZE): 'many' is not a whole number" in found
+    assert "--reflection (from TOKENWIRE_REFLECTION): 'perhaps' is not true or false" in found
+    assert len(found) == 4  # parsing problems first; --port is checked once the values parse
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (("--port", "70000"), "--port: 70000 is not a TCP port"),
+        (("--metrics-port", "-1"), "--metrics-port: -1 is not a TCP port"),
+        (("--max-concurrent-streams", "0"), "--max-concurrent-streams: must be at least 1, got 0"),
+        (("--max-receive-message-bytes", "0"), "--max-receive-message-bytes: must be at least 1, got 0"),
+        (("--max-prompt-chars", "0"), "--max-prompt-chars: must be at least 1, got 0"),
+        (("--max-stop-strings", "-1"), "--max-stop-strings: must be >= 0, got -1"),
+        (("--keepalive-time", "0"), "--keepalive-time: must be more than 0 seconds, got 0.0"),
+        (("--otlp-metrics",), "--otlp-metrics: needs --otlp-endpoint"),
+        (("--log-level", "chatty"), "--log-level: 'chatty' is not DEBUG, INFO, WARNING or ERROR"),
+        (("--log-format", "xml"), None),  # refused by argparse itself: a choice
+        (
+            ("--health-queue-high-watermark", "100"),
+            "--health-queue-high-watermark: must be between 1 and --max-queue-size (64), got 100",
+        ),
+        (
+            ("--health-queue-high-watermark", "10", "--health-queue-low-watermark", "10"),
+            "--health-queue-low-watermark: must be at least 0 and below the high watermark (10), got 10",
+        ),
+        (
+            ("--health-queue-low-watermark", "2"),
+            "--health-queue-low-watermark: needs --health-queue-high-watermark",
+        ),
+        (
+            ("--default-max-new-tokens", "9000"),
+            "--default-max-new-tokens: 9000 is above --max-new-tokens-cap 4096",
+        ),
+        (("--metrics-port", "50051"), "--metrics-port: 50051 is also the gRPC --port"),
+    ],
+)
+def test_invalid_values_are_refused_naming_the_flag(argv: tuple[str, ...], expected: str | None) -> None:
+    if expected is None:
+        with pytest.raises(SystemExit):
+            serve_args(*argv)
+        return
+    assert expected in problems(*argv)
+
+
+def test_a_broken_config_file_is_named(tmp_path: Path) -> None:
+    broken = write_config(tmp_path, "port = \n")
+    assert problems("--config", str(broken))[0].startswith(f"--config: {broken} is not valid TOML")
+    missing = tmp_path / "absent.toml"
+    assert problems("--config", str(missing))[0].startswith(f"--config: cannot read {missing}")
+    wrong_type = write_config(tmp_path, 'port = "fifty"\nmodel = 3\n')
+    assert problems("--config", str(wrong_type)) == (
+        f"--port (from port in {wrong_type}): 'fifty' is not a whole number",
+        "--model (from model in the config file): must be a string or a list of strings",
+    )
+
+
+def test_help_documents_every_setting_with_its_variable_and_default() -> None:
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["serve"].format_help().split())  # type: ignore[union-attr]
+    for setting in SETTINGS:
+        assert setting.flag in help_text, setting.flag
+        assert setting.env in help_text, setting.env
+    for mention in ("--config", "TOKENWIRE_CONFIG", "--model", "TOKENWIRE_MODEL", "TOKENWIRE_AUTH_TOKENS"):
+        assert mention in help_text
+    assert "--no-metrics" in help_text and "default 9464" in help_text
+
+
+def test_serve_stops_at_start_with_every_problem_on_stderr(tmp_path: Path) -> None:
+    config = write_config(tmp_path, "max_batch_size = 0\nunknown_thing = 1\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "tokenwire.server.cli", "serve", "--config", str(config), "--port", "x"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2
+    assert "--port: 'x' is not a whole number" in result.stderr
+    assert "'unknown_thing', which is not a setting" in result.stderr
