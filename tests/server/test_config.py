@@ -4,6 +4,7 @@ stop `tokenwire serve` at start with every problem named."""
 from __future__ import annotations
 
 import argparse
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -190,3 +191,33 @@ def test_serve_stops_at_start_with_every_problem_on_stderr(tmp_path: Path) -> No
     assert result.returncode == 2
     assert "--port: 'x' is not a whole number" in result.stderr
     assert "'unknown_thing', which is not a setting" in result.stderr
+
+
+@pytest.mark.parametrize("flag", ["--port", "--metrics-port"])
+def test_a_port_in_use_stops_serve_with_the_flag_named(tiny_model_dir: Path, flag: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        busy = str(taken.getsockname()[1])
+        ports = {"--port": "0", "--metrics-port": "0", flag: busy}
+        result = subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "tokenwire.server.cli",
+                "serve",
+                "--model",
+                str(tiny_model_dir),
+                "--host",
+                "127.0.0.1",
+                "--device",
+                "cpu",
+                *[part for pair in ports.items() for part in pair],
+            ],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert result.returncode == 1
+    assert f"{flag}: cannot listen on 127.0.0.1:{busy}" in result.stderr
+    assert "Traceback" not in result.stderr

@@ -116,12 +116,15 @@ class TokenwireServer:
                 server,
             )
         address = f"{settings.host}:{settings.port}"
-        if settings.tls.enabled:
-            port = server.add_secure_port(address, tls.server_credentials(settings.tls))
-        else:
-            port = server.add_insecure_port(address)
+        try:
+            if settings.tls.enabled:
+                port = server.add_secure_port(address, tls.server_credentials(settings.tls))
+            else:
+                port = server.add_insecure_port(address)
+        except RuntimeError as error:  # gRPC reports a port it cannot bind this way
+            raise OSError(f"--port: cannot listen on {address}: {error}") from error
         if port == 0:
-            raise OSError(f"cannot listen on {address}")
+            raise OSError(f"--port: cannot listen on {address}")
         self._server = server
         return int(port)
 
