@@ -12,6 +12,7 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from tokenwire.server.api.handlers import add_inference_service
 from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.config import ServerSettings
 from tokenwire.server.engine.engine import Engine, EngineConfig
@@ -28,7 +29,6 @@ from tokenwire.server.security import tls
 from tokenwire.server.security.auth import BearerTokenInterceptor, Metadata
 from tokenwire.server.telemetry.exporters import Telemetry
 from tokenwire.v1 import inference_service_pb2 as pb
-from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
@@ -102,7 +102,7 @@ class TokenwireServer:
                 )
             )
         server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
-        pb_grpc.add_InferenceServiceServicer_to_server(
+        add_inference_service(
             InferenceServicer(self.registry, self.lifecycle, telemetry=self.telemetry.requests), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)

@@ -12,6 +12,7 @@ from typing import TypeAlias
 import grpc
 
 from tokenwire.server.api import convert, errors
+from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.stream import StreamSession
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.registry import ModelRegistry
@@ -41,6 +42,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
         received = self._clock()
         record = self._telemetry.begin("Generate", context.invocation_metadata(), received)
+        if isinstance(request, UndecodableRequest):
+            record.refused(request.error())
+            await errors.abort(context, request.error())
         spec = convert.request_spec(request)
         if not spec.request_id:
             spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
@@ -101,6 +105,8 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             yield message
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:  # noqa: N802
+        if isinstance(request, UndecodableRequest):
+            await errors.abort(context, request.error())
         served = self._registry.all()
         return pb.ListModelsResponse(
             models=[

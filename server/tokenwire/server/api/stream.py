@@ -15,6 +15,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from tokenwire.server.api import convert
+from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.errors import status_proto
 from tokenwire.server.engine.engine import Engine
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
@@ -78,6 +79,13 @@ class StreamSession:
     async def _read(self, requests: AsyncIterator[pb.StreamGenerateRequest]) -> None:
         try:
             async for message in requests:
+                if isinstance(message, UndecodableRequest):
+                    # Which request this was meant to be is unknowable: answer with an empty id.
+                    self._telemetry.begin("StreamGenerate", self._metadata, self._clock()).refused(
+                        message.error()
+                    )
+                    self._outbox.put_nowait(_error_event("", message.error()))
+                    continue
                 kind = message.WhichOneof("request")
                 if kind == "generate":
                     self._start(message.generate)

@@ -496,7 +496,9 @@ class Engine:
             self._fail_unstarted(entry, _deadline_error("in the queue"), now, outcome="deadline")
         else:
             self._fail_unstarted(entry, _shutdown_error(), now, outcome="unavailable")
-        self._abort_step.pop(entry.key, None)
+        # It never ran a step, so its abort took effect with no step at all.
+        if self._abort_step.pop(entry.key, None) is not None:
+            self.stats.aborted += 1
 
     def _fail_unstarted(self, entry: _Waiting, error: GenerationError, now: float, *, outcome: str) -> None:
         self._emit(entry.sink, Failed(error))
