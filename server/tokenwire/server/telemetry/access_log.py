@@ -14,8 +14,13 @@ class AccessLog:
     def __init__(self, logger: logging.Logger | None = None) -> None:
         self._logger = logger or logging.getLogger(ACCESS_LOGGER)
 
+    @property
+    def enabled(self) -> bool:
+        """Whether a line would be written (the logger's level can change at run time)."""
+        return self._logger.isEnabledFor(logging.INFO)
+
     def write(self, summary: RequestSummary, trace_id: str | None) -> None:
-        if not self._logger.isEnabledFor(logging.INFO):
+        if not self.enabled:
             return
         stages = summary.stages
         prefill = None

@@ -186,6 +186,10 @@ class RequestRecord:
     def _emit(self, summary: RequestSummary) -> None:
         self._ended = True
         owner = self._owner
+        logging_it = owner.access_log is not None and owner.access_log.enabled
+        if owner.tracer is None and not logging_it:
+            self._metadata = None
+            return
         try:
             parent = caller_context(self._metadata)
             if owner.tracer is not None:
@@ -194,7 +198,7 @@ class RequestRecord:
                 )
             else:
                 trace_id = trace_id_of(parent)
-            if owner.access_log is not None:
+            if logging_it and owner.access_log is not None:
                 owner.access_log.write(summary, trace_id)
         except Exception:  # telemetry must never break the request it describes
             log.exception("recording telemetry for request %r failed", summary.request_id)
