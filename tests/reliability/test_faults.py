@@ -203,6 +203,14 @@ async def test_cancel_wave_on_held_steps_stops_exactly_the_cancelled_work(
         with pytest.raises(asyncio.CancelledError):
             await unary[0]
         finished_unary = await asyncio.wait_for(asyncio.gather(*unary[1:]), 30)
+        # The same requests alone: the cancels around them did not change their tokens.
+        alone = {
+            request_id: await client.generate(
+                f"Stream {request_id[0]}, generation {request_id[1]}", greedy(20)
+            )
+            for request_id in ("a2", "b0", "b1")
+        }
+        alone_unary = [await client.generate(f"Unary {i}", greedy(20)) for i in (1, 2)]
 
     for request_id in ("a0", "a1", "b2"):
         last = final(transcripts[request_id[0]], request_id)
@@ -212,7 +220,8 @@ async def test_cancel_wave_on_held_steps_stops_exactly_the_cancelled_work(
     for request_id in ("a2", "b0", "b1"):
         last = final(transcripts[request_id[0]], request_id)
         assert isinstance(last, Completed) and last.generation.finish_reason is FinishReason.LENGTH
-        assert len(transcripts[request_id[0]].tokens(request_id)) == 20
+        assert transcripts[request_id[0]].tokens(request_id) == list(alone[request_id].token_ids)
+    assert [g.token_ids for g in finished_unary] == [g.token_ids for g in alone_unary]
     assert [g.completion_tokens for g in finished_unary] == [20, 20]
     stats = await assert_recovered(server)
     assert stats.abort_requests == 7  # the cancel of a finished id and of an unknown id did nothing
