@@ -148,20 +148,19 @@ def model_bytes(model_dir: Path) -> int:
     return sum(p.stat().st_size for p in model_dir.iterdir() if p.name.startswith("model.onnx"))
 
 
-def measure_onnx(
-    result: Result, model_dir: Path, ids: list[int], reference: np.ndarray | None, args: argparse.Namespace
-) -> np.ndarray:
-    result.size_bytes = model_bytes(model_dir)
-    logits = SharedBufferDecoder(model_dir, threads=args.threads, max_len=len(ids)).prefill(ids)
+def score(result: Result, logits: np.ndarray, ids: list[int], reference: np.ndarray | None) -> None:
     result.ppl = perplexity(logits, ids)
     if reference is not None:
         result.kl = mean_kl(reference, logits)
         result.top1 = float(np.mean(reference.argmax(-1) == logits.argmax(-1)))
-    prompt = ids[: args.prompt_tokens]
-    decoder = SharedBufferDecoder(model_dir, threads=args.threads, max_len=len(prompt) + args.new_tokens)
-    decoder.greedy(prompt, 8)  # warm-up
-    for _ in range(args.repeats):
-        result.decode_tps.append(decoder.greedy(prompt, args.new_tokens)[1])
+
+
+def measure_quality(
+    result: Result, model_dir: Path, ids: list[int], reference: np.ndarray | None, threads: int
+) -> np.ndarray:
+    result.size_bytes = model_bytes(model_dir)
+    logits = SharedBufferDecoder(model_dir, threads=threads, max_len=len(ids)).prefill(ids)
+    score(result, logits, ids, reference)
     return logits
 
 
@@ -283,22 +282,28 @@ def child_hf_checkpoint(gguf: Path, hf_dir: Path, converted: Path) -> None:
     print(json.dumps({"ok": True}))
 
 
-def child_llamacpp(
-    gguf: Path, ids_file: Path, threads: int, prompt_tokens: int, new_tokens: int, repeats: int
-) -> None:
+def child_llamacpp_logits(gguf: Path, ids_file: Path, threads: int) -> None:
     from llama_cpp import Llama
 
     ids = json.loads(ids_file.read_text())
-    quiet = {"verbose": False, "n_threads": threads, "n_threads_batch": threads, "n_batch": 512}
-    llm = Llama(model_path=str(gguf), n_ctx=1024, logits_all=True, **quiet)
+    llm = Llama(
+        model_path=str(gguf), n_ctx=1024, logits_all=True, verbose=False, n_threads=threads, n_batch=512
+    )
     llm.eval(ids)
-    logits = np.asarray(llm.scores[: len(ids)], dtype=np.float32)
-    np.save(ids_file.with_suffix(".npy"), logits)
-    del llm
-    llm = Llama(model_path=str(gguf), n_ctx=512, logits_all=False, **quiet)
-    speeds = []
-    prompt = ids[:prompt_tokens]
-    for run in range(repeats + 1):
+    np.save(ids_file.with_suffix(".npy"), np.asarray(llm.scores[: len(ids)], dtype=np.float32))
+    print(json.dumps({"ok": True}))
+
+
+def child_llamacpp_speed(
+    gguf: Path, ids_file: Path, threads: int, prompt_tokens: int, new_tokens: int
+) -> None:
+    """One warm-up and one timed greedy decode with llama.cpp's own evaluation loop."""
+    from llama_cpp import Llama
+
+    prompt = json.loads(ids_file.read_text())[:prompt_tokens]
+    llm = Llama(model_path=str(gguf), n_ctx=512, verbose=False, n_threads=threads, n_threads_batch=threads)
+    speed = 0.0
+    for _ in range(2):  # the first run warms up
         llm.reset()
         llm.eval(prompt)
         token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
@@ -306,9 +311,8 @@ def child_llamacpp(
         for _ in range(new_tokens - 1):
             llm.eval([token])
             token = int(np.argmax(llm.scores[llm.n_tokens - 1]))
-        if run:  # the first run warms up
-            speeds.append((new_tokens - 1) / (time.perf_counter() - started))
-    print(json.dumps({"ppl": perplexity(logits, ids), "decode_tps": speeds}))
+        speed = (new_tokens - 1) / (time.perf_counter() - started)
+    print(json.dumps({"decode_tps": speed}))
 
 
 # --- orchestration -------------------------------------------------------------------------
@@ -355,25 +359,33 @@ def build_genai(
     return out_dir
 
 
-def measure_llamacpp(
-    args: argparse.Namespace, gguf: Path, ids: list[int], work: Path, result: Result
-) -> None:
+def llamacpp_quality(
+    args: argparse.Namespace,
+    gguf: Path,
+    ids_file: Path,
+    ids: list[int],
+    reference: np.ndarray,
+    result: Result,
+) -> bool:
     if not args.llamacpp_python:
         result.skipped = "no --llamacpp-python given (a venv with llama-cpp-python)"
-        return
-    ids_file = work / "passage_ids.json"
-    ids_file.write_text(json.dumps(ids))
-    command = [args.llamacpp_python, __file__, "_llamacpp", str(gguf), str(ids_file), str(args.threads)]
-    command += [str(args.prompt_tokens), str(args.new_tokens), str(args.repeats)]
+        return False
     try:
-        measured = run_child(command)
+        run_child(
+            [args.llamacpp_python, __file__, "_llamacpp-logits", str(gguf), str(ids_file), str(args.threads)]
+        )
     except (RuntimeError, subprocess.TimeoutExpired, json.JSONDecodeError, OSError) as error:
         result.skipped = f"llama.cpp failed: {str(error)[-400:]}"
-        return
-    result.ppl = measured["ppl"]
-    result.decode_tps = measured["decode_tps"]
+        return False
+    score(result, np.load(ids_file.with_suffix(".npy")), ids, reference)
     result.size_bytes = gguf.stat().st_size
-    result.notes = "GGUF as is; logits from llama.cpp's own kernels"
+    return True
+
+
+def llamacpp_decode_once(args: argparse.Namespace, gguf: Path, ids_file: Path) -> float:
+    command = [args.llamacpp_python, __file__, "_llamacpp-speed", str(gguf), str(ids_file), str(args.threads)]
+    measured = run_child([*command, str(args.prompt_tokens), str(args.new_tokens)])
+    return float(measured["decode_tps"])
 
 
 def fmt(value: float | None, spec: str) -> str:
@@ -421,6 +433,7 @@ def main() -> None:
     )
     parser.add_argument("--llamacpp-python", help="python of a venv with llama-cpp-python")
     parser.add_argument("--float16", action="store_true", help="also convert and measure a float16 export")
+    parser.add_argument("--time-reference", action="store_true", help="also time the float32 reference")
     args = parser.parse_args()
 
     if args.gguf is None:
@@ -433,21 +446,27 @@ def main() -> None:
     from tokenizers import Tokenizer
 
     results: list[Result] = []
-    ours = Result("tokenwire convert_gguf (float32 activations)", notes="GGUF blocks repacked")
+    ours = Result("tokenwire convert_gguf (float32 activations)")
     converted = work / "tokenwire"
     shutil.rmtree(converted, ignore_errors=True)
     measured = run_child([sys.executable, __file__, "_convert", str(gguf), str(converted), "float32"])
     ours.convert_seconds, ours.convert_peak_rss = measured["seconds"], measured["peak_rss"]
     ids = Tokenizer.from_file(str(converted / "tokenizer.json")).encode(PASSAGE.read_text()).ids
+    ids_file = work / "passage_ids.json"
+    ids_file.write_text(json.dumps(ids))
     print(f"passage: {len(ids)} tokens; GGUF {gguf.stat().st_size / 1e6:.1f} MB", file=sys.stderr)
 
+    # Quality first, one model at a time.
     reference_dir = work / "reference-fp32"
     run_child([sys.executable, __file__, "_reference", str(gguf), str(reference_dir), str(converted)])
     reference = Result("float32 reference (dequantized GGUF weights, same graph)")
-    reference_logits = measure_onnx(reference, reference_dir, ids, None, args)
+    reference_logits = measure_quality(reference, reference_dir, ids, None, args.threads)
     results.append(reference)
-    measure_onnx(ours, converted, ids, reference_logits, args)
+    measure_quality(ours, converted, ids, reference_logits, args.threads)
     results.append(ours)
+    timed: list[tuple[Result, Path]] = [(ours, converted)]
+    if args.time_reference:
+        timed.append((reference, reference_dir))
 
     if args.float16:
         half = Result("tokenwire convert_gguf (float16 activations, run on CPU)")
@@ -455,23 +474,33 @@ def main() -> None:
         shutil.rmtree(half_dir, ignore_errors=True)
         measured = run_child([sys.executable, __file__, "_convert", str(gguf), str(half_dir), "float16"])
         half.convert_seconds, half.convert_peak_rss = measured["seconds"], measured["peak_rss"]
-        measure_onnx(half, half_dir, ids, reference_logits, args)
+        measure_quality(half, half_dir, ids, reference_logits, args.threads)
         results.append(half)
+        timed.append((half, half_dir))
 
     builder = Result("ONNX Runtime GenAI builder (-p int4 -e cpu, from the dequantized GGUF)")
     builder_dir = build_genai(args, gguf, converted, work, builder)
     if builder_dir is not None:
-        measure_onnx(builder, builder_dir, ids, reference_logits, args)
+        measure_quality(builder, builder_dir, ids, reference_logits, args.threads)
+        timed.append((builder, builder_dir))
     results.append(builder)
 
     llama = Result("llama.cpp (llama-cpp-python, same GGUF)")
-    measure_llamacpp(args, gguf, ids, work, llama)
-    npy = (work / "passage_ids.json").with_suffix(".npy")
-    if npy.is_file() and not llama.skipped:
-        llama_logits = np.load(npy)
-        llama.kl = mean_kl(reference_logits, llama_logits)
-        llama.top1 = float(np.mean(reference_logits.argmax(-1) == llama_logits.argmax(-1)))
+    with_llama = llamacpp_quality(args, gguf, ids_file, ids, reference_logits, llama)
     results.append(llama)
+
+    # Speed: the candidates take turns, so a busy machine slows them all alike.
+    prompt = ids[: args.prompt_tokens]
+    decoders = []
+    for result, model_dir in timed:
+        decoder = SharedBufferDecoder(model_dir, threads=args.threads, max_len=len(prompt) + args.new_tokens)
+        decoder.greedy(prompt, 8)  # warm-up
+        decoders.append((result, decoder))
+    for _ in range(args.repeats):
+        for result, decoder in decoders:
+            result.decode_tps.append(decoder.greedy(prompt, args.new_tokens)[1])
+        if with_llama:
+            llama.decode_tps.append(llamacpp_decode_once(args, gguf, ids_file))
 
     reference_ppl = reference.ppl if reference.ppl is not None else float("nan")
     print(
@@ -492,10 +521,10 @@ if __name__ == "__main__":
             child_float_reference(Path(rest[0]), Path(rest[1]), Path(rest[2]))
         elif command == "_hf-checkpoint":
             child_hf_checkpoint(Path(rest[0]), Path(rest[1]), Path(rest[2]))
-        elif command == "_llamacpp":
-            child_llamacpp(
-                Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]), int(rest[5])
-            )
+        elif command == "_llamacpp-logits":
+            child_llamacpp_logits(Path(rest[0]), Path(rest[1]), int(rest[2]))
+        elif command == "_llamacpp-speed":
+            child_llamacpp_speed(Path(rest[0]), Path(rest[1]), int(rest[2]), int(rest[3]), int(rest[4]))
         else:
             raise SystemExit(f"unknown internal command {command}")
     else:

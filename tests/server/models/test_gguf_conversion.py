@@ -205,6 +205,15 @@ def test_tokenizer_files(converted_mixed: Path, mixed_gguf: SyntheticGguf) -> No
     assert special["eos_token"] == TURN_END
 
 
+def test_converting_again_into_the_same_directory_replaces_the_weights(
+    q4_1_gguf: SyntheticGguf, tmp_path: Path
+) -> None:
+    first = convert_gguf(q4_1_gguf.path, tmp_path / "out")
+    size = (first / "model.onnx.data").stat().st_size
+    convert_gguf(q4_1_gguf.path, tmp_path / "out")
+    assert (first / "model.onnx.data").stat().st_size == size
+
+
 def test_rejects_other_architectures(tmp_path: Path) -> None:
     import gguf
 

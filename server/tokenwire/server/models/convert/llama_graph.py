@@ -478,6 +478,8 @@ def build_llama_graph(
 def save_model(model: onnx.ModelProto, path: Path, *, external_data: bool) -> None:
     """Write the model; with `external_data`, weights go to `<name>.data` beside it (needed past 2 GB)."""
     if external_data:
+        # onnx appends to an existing data file: start from an empty one.
+        path.with_name(path.name + ".data").unlink(missing_ok=True)
         onnx.save_model(
             model,
             str(path),
