@@ -23,7 +23,7 @@ ProgressCallback = Callable[[str, float], None]
 
 CONVERSION_INFO_FILENAME = "conversion.json"
 # Raised whenever the files convert_gguf writes change, so caches of older output are rebuilt.
-CONVERTER_VERSION = 2
+CONVERTER_VERSION = 3
 
 # Rough share of conversion time per stage, so progress bars move evenly.
 _STAGES = (("read GGUF", 0.0), ("write tokenizer", 0.3), ("build graph", 0.35), ("write model", 0.65))
@@ -74,9 +74,15 @@ def convert_gguf(
     bos = vocab.bos_token_id if vocab.bos_token_id is not None else eos[0]
     pad = vocab.pad_token_id if vocab.pad_token_id is not None else eos[0]
     report(2)
-    model = build_llama_graph(source.config, source.weights, GraphOptions(dtype=activation))
+    model_path = out_dir / MODEL_FILENAME
+    model = build_llama_graph(
+        source.config,
+        source.weights,
+        GraphOptions(dtype=activation),
+        external_data=model_path.with_name(model_path.name + ".data"),
+    )
     report(3)
-    save_model(model, out_dir / MODEL_FILENAME, external_data=True)
+    save_model(model, model_path, external_data=False)
     del model
     write_genai_config(out_dir, source.config, TokenIds(bos=bos, eos=eos, pad=pad), dtype=dtype)
     info = {

@@ -8,9 +8,10 @@ the graph can use rotate-half rotary embeddings like the original checkpoint.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, overload
 
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
@@ -142,45 +143,100 @@ def _rotary_rows_to_half_order(weight: LinearWeight, heads: int, head_size: int)
     return weight.take_rows(index)
 
 
-def _read_weights(config: LlamaConfig, tensors: dict[str, ReaderTensor]) -> LlamaWeights:
-    def tensor(name: str) -> ReaderTensor:
-        if name not in tensors:
-            raise UnsupportedModelError(f"GGUF file lacks tensor {name}")
-        return tensors[name]
+def _tensor(tensors: dict[str, ReaderTensor], name: str) -> ReaderTensor:
+    if name not in tensors:
+        raise UnsupportedModelError(f"GGUF file lacks tensor {name}")
+    return tensors[name]
 
-    layers = []
-    for i in range(config.num_layers):
-        p = f"blk.{i}."
-        for unexpected in (
-            "attn_q.bias",
-            "attn_k.bias",
-            "attn_v.bias",
-            "attn_q_norm.weight",
-            "attn_k_norm.weight",
-        ):
-            if p + unexpected in tensors:
-                raise UnsupportedModelError(f"tensor {p + unexpected} is not part of the Llama architecture")
-        layers.append(
-            LlamaLayerWeights(
-                attn_norm=_vector(tensor(p + "attn_norm.weight")),
-                q_proj=_rotary_rows_to_half_order(
-                    _linear(tensor(p + "attn_q.weight")), config.num_heads, config.head_size
-                ),
-                k_proj=_rotary_rows_to_half_order(
-                    _linear(tensor(p + "attn_k.weight")), config.num_kv_heads, config.head_size
-                ),
-                v_proj=_linear(tensor(p + "attn_v.weight")),
-                o_proj=_linear(tensor(p + "attn_output.weight")),
-                ffn_norm=_vector(tensor(p + "ffn_norm.weight")),
-                gate_proj=_linear(tensor(p + "ffn_gate.weight")),
-                up_proj=_linear(tensor(p + "ffn_up.weight")),
-                down_proj=_linear(tensor(p + "ffn_down.weight")),
-            )
+
+class _LayersFromGguf(Sequence[LlamaLayerWeights]):
+    """The decoder layers, decoded from the memory-mapped file when accessed.
+
+    Holding every layer decoded would take several times the file's size in memory; the graph
+    builder visits each layer once (and the next one's norm), so the last two are kept.
+    """
+
+    def __init__(self, config: LlamaConfig, tensors: dict[str, ReaderTensor]) -> None:
+        self._config = config
+        self._tensors = tensors
+        self._recent: dict[int, LlamaLayerWeights] = {}
+        # Checked up front, so a file the graph cannot express fails before any work is done.
+        for i in range(config.num_layers):
+            for unexpected in _FOREIGN_LAYER_TENSORS:
+                if f"blk.{i}.{unexpected}" in tensors:
+                    raise UnsupportedModelError(
+                        f"tensor blk.{i}.{unexpected} is not part of the Llama architecture"
+                    )
+            for name in _LAYER_TENSORS:
+                _tensor(tensors, f"blk.{i}.{name}.weight")
+
+    def __len__(self) -> int:
+        return self._config.num_layers
+
+    @overload
+    def __getitem__(self, index: int) -> LlamaLayerWeights: ...
+
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[LlamaLayerWeights]: ...
+
+    def __getitem__(self, index: int | slice) -> LlamaLayerWeights | Sequence[LlamaLayerWeights]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(len(self))[index]]
+        if not -len(self) <= index < len(self):
+            raise IndexError(index)
+        index %= len(self)
+        if index not in self._recent:
+            if len(self._recent) >= 2:
+                del self._recent[min(self._recent)]
+            self._recent[index] = self._decode(index)
+        return self._recent[index]
+
+    def _decode(self, i: int) -> LlamaLayerWeights:
+        cfg = self._config
+
+        def weight(name: str) -> ReaderTensor:
+            return _tensor(self._tensors, f"blk.{i}.{name}.weight")
+
+        return LlamaLayerWeights(
+            attn_norm=_vector(weight("attn_norm")),
+            q_proj=_rotary_rows_to_half_order(_linear(weight("attn_q")), cfg.num_heads, cfg.head_size),
+            k_proj=_rotary_rows_to_half_order(_linear(weight("attn_k")), cfg.num_kv_heads, cfg.head_size),
+            v_proj=_linear(weight("attn_v")),
+            o_proj=_linear(weight("attn_output")),
+            ffn_norm=_vector(weight("ffn_norm")),
+            gate_proj=_linear(weight("ffn_gate")),
+            up_proj=_linear(weight("ffn_up")),
+            down_proj=_linear(weight("ffn_down")),
         )
+
+
+# Tensors of Llama relatives (Qwen 2's Q/K/V biases, Qwen 3's Q/K norms) the graph lacks.
+_FOREIGN_LAYER_TENSORS = (
+    "attn_q.bias",
+    "attn_k.bias",
+    "attn_v.bias",
+    "attn_q_norm.weight",
+    "attn_k_norm.weight",
+)
+
+_LAYER_TENSORS = (
+    "attn_norm",
+    "attn_q",
+    "attn_k",
+    "attn_v",
+    "attn_output",
+    "ffn_norm",
+    "ffn_gate",
+    "ffn_up",
+    "ffn_down",
+)
+
+
+def _read_weights(config: LlamaConfig, tensors: dict[str, ReaderTensor]) -> LlamaWeights:
     return LlamaWeights(
-        embed_tokens=_linear(tensor("token_embd.weight")),
-        layers=tuple(layers),
-        final_norm=_vector(tensor("output_norm.weight")),
+        embed_tokens=_linear(_tensor(tensors, "token_embd.weight")),
+        layers=_LayersFromGguf(config, tensors),
+        final_norm=_vector(_tensor(tensors, "output_norm.weight")),
         lm_head=_linear(tensors["output.weight"]) if "output.weight" in tensors else None,
         rope_freq_factors=_vector(tensors["rope_freqs.weight"]) if "rope_freqs.weight" in tensors else None,
     )

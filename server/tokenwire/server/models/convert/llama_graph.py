@@ -17,12 +17,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 import onnx
 from numpy.typing import NDArray
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
 from tokenwire.server.models.convert.llama_model import (
     LinearWeight,
@@ -75,14 +75,47 @@ def rotary_caches(
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
+class ExternalData:
+    """A weights file written while the graph is built, so tensors never pile up in memory."""
+
+    # Tensors from 1 MiB up start on a page boundary, where ONNX Runtime can map them from the
+    # file; aligning every tensor would pad the file by more than the small ones weigh.
+    ALIGNMENT = 4096
+    ALIGN_FROM_BYTES = 1 << 20
+    # Below this size a tensor stays inside model.onnx.
+    MIN_BYTES = 1024
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._file: BinaryIO = path.open("wb")
+
+    def store(self, tensor: TensorProto) -> None:
+        data = tensor.raw_data
+        if len(data) < self.MIN_BYTES:
+            return
+        offset = self._file.tell()
+        if len(data) >= self.ALIGN_FROM_BYTES:
+            padding = -offset % self.ALIGNMENT
+            self._file.write(b"\0" * padding)
+            offset += padding
+        self._file.write(data)
+        external_data_helper.set_external_data(tensor, self.path.name, offset=offset, length=len(data))
+        tensor.ClearField("raw_data")
+
+    def close(self) -> None:
+        self._file.close()
+
+
 @dataclass
 class _Graph:
     """Nodes and initializers under construction, with unique names."""
 
     float_type: int
+    external: ExternalData | None = None
     nodes: list[onnx.NodeProto] = field(default_factory=list)
     initializers: list[TensorProto] = field(default_factory=list)
     _constants: dict[tuple[str, bytes], str] = field(default_factory=dict)
+    _names: set[str] = field(default_factory=set)
 
     def node(
         self,
@@ -103,12 +136,22 @@ class _Graph:
         return self.node(op, inputs, name, domain=domain, **attrs)[0]
 
     def initializer(self, array: NDArray[np.generic], name: str) -> str:
-        self.initializers.append(numpy_helper.from_array(np.ascontiguousarray(array), name))
+        tensor = numpy_helper.from_array(np.ascontiguousarray(array), name)
+        if self.external is not None:
+            self.external.store(tensor)
+        self.initializers.append(tensor)
+        self._names.add(name)
         return name
 
+    def has_initializer(self, name: str) -> bool:
+        return name in self._names
+
+    @property
+    def float_dtype(self) -> type[np.floating[Any]]:
+        return np.float16 if self.float_type == TensorProto.FLOAT16 else np.float32
+
     def float_initializer(self, array: NDArray[np.floating], name: str) -> str:
-        dtype = np.float16 if self.float_type == TensorProto.FLOAT16 else np.float32
-        return self.initializer(array.astype(dtype), name)
+        return self.initializer(array.astype(self.float_dtype), name)
 
     def constant(self, array: NDArray[np.generic]) -> str:
         """A small shared initializer, created once per distinct value."""
@@ -120,12 +163,14 @@ class _Graph:
 
 
 class _LlamaGraphBuilder:
-    def __init__(self, config: LlamaConfig, weights: LlamaWeights, options: GraphOptions) -> None:
+    def __init__(
+        self, config: LlamaConfig, weights: LlamaWeights, options: GraphOptions, external: ExternalData | None
+    ) -> None:
         self.config = config
         self.weights = weights
         self.options = options
         self.float_type = TensorProto.FLOAT16 if options.dtype == "float16" else TensorProto.FLOAT
-        self.g = _Graph(self.float_type)
+        self.g = _Graph(self.float_type, external)
         # Per-block sums of an activation, keyed by (activation name, block size): shared by
         # every quantized projection of that activation that needs an offset correction.
         self._block_sums: dict[tuple[str, int], str] = {}
@@ -160,9 +205,9 @@ class _LlamaGraphBuilder:
             sums_key = (x, block_size, sum_width)
             if sums_key not in self._padded_sums:
                 indicator = block_sum_matrix(cols, block_size, sum_width)
+                b = self.g.constant(indicator.packed_codes())
+                scales = self.g.constant(indicator.scales.reshape(-1).astype(self.g.float_dtype))
                 name = f"{x}/block_sums_{block_size}"
-                b = self.g.initializer(indicator.packed_codes(), f"{name}.weight_Q4G{block_size}")
-                scales = self.g.float_initializer(indicator.scales.reshape(-1), f"{name}.weight_scales")
                 self._padded_sums[sums_key] = self.matmul_nbits(x, b, scales, indicator, name)
             sums = self._padded_sums[sums_key]
             self._augmented[key] = self.g.one(
@@ -200,8 +245,7 @@ class _LlamaGraphBuilder:
         if key not in self._block_sums:
             # A 0/1 [cols, blocks] matrix: one small MatMul instead of Reshape + ReduceSum.
             indicator = np.repeat(np.eye(cols // block_size, dtype=np.float32), block_size, axis=0)
-            dtype = np.float16 if self.float_type == TensorProto.FLOAT16 else np.float32
-            ones = self.g.constant(indicator.astype(dtype))
+            ones = self.g.constant(indicator.astype(self.g.float_dtype))
             self._block_sums[key] = self.g.one("MatMul", [x, ones], f"{x}/block_sums/MatMul")
         return self._block_sums[key]
 
@@ -263,14 +307,14 @@ class _LlamaGraphBuilder:
     def quantized_table(self, table: QuantizedMatrix, name: str) -> tuple[str, str]:
         """Initializers of a quantized [vocab, hidden] table, shared by the embedding and a tied head."""
         packed_name = f"{name}.weight_Q{table.bits}G{table.block_size}"
-        if not any(t.name == packed_name for t in self.g.initializers):
+        if not self.g.has_initializer(packed_name):
             self.g.initializer(table.packed_codes(), packed_name)
             self.g.float_initializer(table.scales.reshape(-1), f"{name}.weight_scales")
         return packed_name, f"{name}.weight_scales"
 
     def offsets_table(self, table: QuantizedMatrix, name: str) -> str:
         offsets_name = f"{name}.weight_offsets_per_row"
-        if not any(t.name == offsets_name for t in self.g.initializers):
+        if not self.g.has_initializer(offsets_name):
             self.g.float_initializer(table.offsets_or_zeros(), offsets_name)
         return offsets_name
 
@@ -391,22 +435,26 @@ class _LlamaGraphBuilder:
         cfg, w = self.config, self.weights
         if len(w.layers) != cfg.num_layers:
             raise ValueError(f"config has {cfg.num_layers} layers, weights have {len(w.layers)}")
-        self.check_shapes()
+        self.check_table_shapes()
         cos, sin = rotary_caches(cfg, w.rope_freq_factors)
         self.g.float_initializer(cos, "cos_cache")
         self.g.float_initializer(sin, "sin_cache")
         mask_info = self.mask_info()
 
         residual = self.embedding("input_ids")
-        x = self.rms_norm(residual, w.layers[0].attn_norm, "model.layers.0.input_layernorm")
-        for i, layer in enumerate(w.layers):
+        # Each layer is fetched once: GGUF weights are decoded on access, one layer at a time.
+        layer = w.layers[0]
+        x = self.rms_norm(residual, layer.attn_norm, "model.layers.0.input_layernorm")
+        for i in range(cfg.num_layers):
+            self.check_layer_shapes(i, layer)
             attn = self.attention(i, layer, x, mask_info)
             x, residual = self.skip_rms_norm(
                 attn, residual, layer.ffn_norm, f"model.layers.{i}.post_attention_layernorm"
             )
             mlp = self.mlp(i, layer, x)
-            if i + 1 < len(w.layers):
-                gamma, norm_name = w.layers[i + 1].attn_norm, f"model.layers.{i + 1}.input_layernorm"
+            if i + 1 < cfg.num_layers:
+                layer = w.layers[i + 1]
+                gamma, norm_name = layer.attn_norm, f"model.layers.{i + 1}.input_layernorm"
             else:
                 gamma, norm_name = w.final_norm, "model.norm"
             x, residual = self.skip_rms_norm(mlp, residual, gamma, norm_name)
@@ -416,8 +464,8 @@ class _LlamaGraphBuilder:
         self.g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/logits/Identity"))
         return self.model()
 
-    def check_shapes(self) -> None:
-        cfg, w = self.config, self.weights
+    def check_layer_shapes(self, layer_id: int, layer: LlamaLayerWeights) -> None:
+        cfg = self.config
         h, q, kv, i = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
         expected = {
             "q_proj": (q, h),
@@ -428,14 +476,16 @@ class _LlamaGraphBuilder:
             "up_proj": (i, h),
             "down_proj": (h, i),
         }
-        for layer_id, layer in enumerate(w.layers):
-            for attr, shape in expected.items():
-                got = linear_shape(getattr(layer, attr))
-                if got != shape:
-                    raise ValueError(f"layer {layer_id} {attr} has shape {got}, expected {shape}")
-        if linear_shape(w.embed_tokens) != (cfg.vocab_size, h):
+        for attr, shape in expected.items():
+            got = linear_shape(getattr(layer, attr))
+            if got != shape:
+                raise ValueError(f"layer {layer_id} {attr} has shape {got}, expected {shape}")
+
+    def check_table_shapes(self) -> None:
+        cfg, w = self.config, self.weights
+        if linear_shape(w.embed_tokens) != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(f"embedding has shape {linear_shape(w.embed_tokens)}")
-        if w.lm_head is not None and linear_shape(w.lm_head) != (cfg.vocab_size, h):
+        if w.lm_head is not None and linear_shape(w.lm_head) != (cfg.vocab_size, cfg.hidden_size):
             raise ValueError(f"lm_head has shape {linear_shape(w.lm_head)}")
 
     def model(self) -> onnx.ModelProto:
@@ -469,10 +519,24 @@ class _LlamaGraphBuilder:
 
 
 def build_llama_graph(
-    config: LlamaConfig, weights: LlamaWeights, options: GraphOptions | None = None
+    config: LlamaConfig,
+    weights: LlamaWeights,
+    options: GraphOptions | None = None,
+    *,
+    external_data: Path | None = None,
 ) -> onnx.ModelProto:
-    """The decoder graph for `weights`, with every initializer embedded in the returned model."""
-    return _LlamaGraphBuilder(config, weights, options or GraphOptions()).build()
+    """The decoder graph for `weights`.
+
+    With `external_data`, tensor bytes are written to that file as the graph is built and the
+    returned model refers to it by name: save the model beside it with `save_model(...,
+    external_data=False)`. Otherwise every initializer is embedded in the returned model.
+    """
+    sink = ExternalData(external_data) if external_data is not None else None
+    try:
+        return _LlamaGraphBuilder(config, weights, options or GraphOptions(), sink).build()
+    finally:
+        if sink is not None:
+            sink.close()
 
 
 def save_model(model: onnx.ModelProto, path: Path, *, external_data: bool) -> None:

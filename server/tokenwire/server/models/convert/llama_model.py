@@ -7,6 +7,7 @@ rows in Hugging Face's rotate-half order (GGUF's interleaved order is undone on 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -64,7 +65,8 @@ class LlamaLayerWeights:
 @dataclass(frozen=True)
 class LlamaWeights:
     embed_tokens: LinearWeight  # [vocab, hidden]
-    layers: tuple[LlamaLayerWeights, ...]
+    # Any sequence: a GGUF source decodes each layer when it is accessed.
+    layers: Sequence[LlamaLayerWeights]
     final_norm: F32  # [hidden]
     lm_head: LinearWeight | None  # [vocab, hidden]; None when tied to embed_tokens
     # Llama 3 style per-frequency divisors of the rotary inverse frequencies, [head_size / 2].
