@@ -38,7 +38,7 @@ OK = grpc.StatusCode.OK
 INVALID_ARGUMENT = grpc.StatusCode.INVALID_ARGUMENT
 
 CI_EXAMPLES = 120
-HEAVY_EXAMPLES = 2000
+HEAVY_EXAMPLES = 1000
 
 # -- strategies --------------------------------------------------------------------------------------
 
@@ -260,6 +260,7 @@ def test_any_generate_request_gets_a_documented_status_in_unary_and_stream(
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(1200)
 @settings(max_examples=HEAVY_EXAMPLES, **PROPERTY_SETTINGS)  # type: ignore[arg-type]
 @given(request=generate_requests())
 def test_heavy_any_generate_request_gets_a_documented_status_in_unary_and_stream(
@@ -382,6 +383,7 @@ def test_any_bytes_on_the_wire_get_a_documented_status_and_the_server_keeps_serv
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(1200)
 @settings(max_examples=HEAVY_EXAMPLES, **PROPERTY_SETTINGS)  # type: ignore[arg-type]
 @given(payload=wire_bytes())
 def test_heavy_any_bytes_on_the_wire_get_a_documented_status_and_the_server_keeps_serving(

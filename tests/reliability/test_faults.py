@@ -253,6 +253,7 @@ async def test_cancel_storm_at_real_speed_leaves_nothing_behind(start_server: Se
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(1200)
 async def test_heavy_cancel_storm_at_real_speed_leaves_nothing_behind(start_server: ServerFactory) -> None:
     await cancel_storm(await start_server(max_batch_size=4, max_queue_size=8), 3000)
 

@@ -129,6 +129,7 @@ async def test_overload_ends_every_generation_in_one_documented_outcome(
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(1200)
 async def test_heavy_overload_ends_every_generation_in_one_documented_outcome(
     server_process: ServerProcess,
 ) -> None:

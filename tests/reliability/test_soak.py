@@ -38,6 +38,7 @@ async def test_short_soak_keeps_every_guarantee(
 
 
 @pytest.mark.heavy
+@pytest.mark.timeout(1200)
 async def test_heavy_soak_keeps_every_guarantee(
     default_model_dir: Path, model_layout: str, tmp_path: Path
 ) -> None:
