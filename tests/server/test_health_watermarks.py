@@ -13,8 +13,9 @@ from grpc_health.v1._async import HealthServicer
 
 from tests.conftest import tiny_settings
 from tests.support.events import Transcript, read_until
+from tests.support.polling import wait_until
 from tests.support.servers import serving
-from tests.support.stepping import StepGate, gated
+from tests.support.stepping import StepGate
 from tokenwire.client import AsyncClient, Completed, GenerateOptions, Queued, Sampling, Stopping
 from tokenwire.server.app import SERVICE_NAME
 from tokenwire.server.config import HealthSettings
@@ -74,7 +75,7 @@ async def test_a_real_queue_turns_health_off_and_back_on_through_watch(tiny_mode
         health=HealthSettings(queue_high_watermark=3, queue_low_watermark=1),
     )
     async with (
-        serving(settings, wrap_model=gated(gate)) as server,
+        serving(settings, gate=gate) as server,
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
         AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client,
         client.open_stream() as stream,
@@ -94,6 +95,14 @@ async def test_a_real_queue_turns_health_off_and_back_on_through_watch(tiny_mode
             await stream.submit(request_id, "Queued", LONG)
         await read_until(events, transcript, lambda t: all(t.events[r] for r in ("r1", "r2", "r3", "r4")))
 
+        engine = server.registry.default.engine
+
+        async def cancels_reached_engine(count: int) -> None:
+            # A cancel travels the stream to the server first; the round must start after it lands.
+            await wait_until(
+                lambda: engine.stats.abort_requests == count, what="the cancels to reach the engine"
+            )
+
         # Each allowed step ends a scheduling round, which reports the queue; the chunk it
         # produces arrives after that report's health update.
         async def one_round() -> None:
@@ -111,12 +120,14 @@ async def test_a_real_queue_turns_health_off_and_back_on_through_watch(tiny_mode
 
         for request_id in ("r5", "r4", "r3"):
             await stream.cancel(request_id)
+        await cancels_reached_engine(3)
         await one_round()  # the cancels are applied at the start of the next round
         await read_until(events, transcript, lambda t: all(t.finished(r) for r in ("r3", "r4", "r5")))
         await one_round()  # 2 queued: between the watermarks
         assert await status_now() == NOT_SERVING
 
         await stream.cancel("r2")
+        await cancels_reached_engine(4)
         await one_round()
         await read_until(events, transcript, lambda t: t.finished("r2"))
         await one_round()  # 1 queued: down to the low watermark

@@ -12,7 +12,7 @@ from tests.support.events import Transcript, read_until
 from tests.support.polling import wait_until
 from tests.support.prometheus import scrape
 from tests.support.servers import serving
-from tests.support.stepping import StepGate, gated
+from tests.support.stepping import StepGate
 from tokenwire.client import AsyncClient, Completed, GenerateOptions, Sampling, Stopping, TokenwireError
 from tokenwire.server.config import TelemetrySettings
 
@@ -74,7 +74,7 @@ async def test_histograms_and_counters_agree_with_the_response_timing(tiny_model
 async def test_gauges_show_the_queue_and_the_running_batch(tiny_model_dir: Path) -> None:
     gate = StepGate()
     settings = tiny_settings(tiny_model_dir, max_batch_size=2, telemetry=with_metrics())
-    async with serving(settings, wrap_model=gated(gate)) as server:
+    async with serving(settings, gate=gate) as server:
         assert server.metrics_port
         engine = server.registry.default.engine
         transcript = Transcript()
@@ -87,6 +87,7 @@ async def test_gauges_show_the_queue_and_the_running_batch(tiny_model_dir: Path)
             await stream.submit("a", "First in", greedy(50))
             await read_until(events, transcript, lambda t: len(t.chunks("a")) >= 1)
             await stream.submit("b", "Second in", greedy(50))
+            await read_until(events, transcript, lambda t: bool(t.events["b"]))  # queued in the engine
             gate.allow(1)  # a's step ends the round; the next one admits b and prefills it
             await read_until(events, transcript, lambda t: len(t.chunks("b")) >= 1)
             for request_id in ("c", "d", "e"):
@@ -116,7 +117,7 @@ async def test_every_outcome_is_counted_once_where_it_happens(tiny_model_dir: Pa
     gate = StepGate()
     settings = tiny_settings(tiny_model_dir, max_batch_size=1, max_queue_size=1, telemetry=with_metrics())
     codes: list[grpc.StatusCode] = []
-    async with serving(settings, wrap_model=gated(gate)) as server:
+    async with serving(settings, gate=gate) as server:
         assert server.metrics_port
         engine = server.registry.default.engine
         transcript = Transcript()
@@ -137,6 +138,7 @@ async def test_every_outcome_is_counted_once_where_it_happens(tiny_model_dir: Pa
                 await client.generate("No room", greedy(4))
             codes.append(rejected.value.code)
             await stream.cancel("queued")
+            await wait_until(lambda: engine.stats.abort_requests == 1, what="the cancel to reach the engine")
             gate.allow(1)
             await read_until(events, transcript, lambda t: t.finished("queued"))
             with pytest.raises(TokenwireError) as late:
