@@ -56,9 +56,10 @@ class GraphOptions:
     # gate and up projections: fewer, larger kernels, which matters most at batch 1.
     fuse_qkv: bool = True
     fuse_gate_up: bool = True
-    # How per-block weight offsets (Q4_1, K formats) reach the output: "folded" into extra
-    # quantized input columns of the same MatMulNBits (fast; float16-level precision), or
-    # "float": a float32 (block sums @ offsets) correction added after it (exact, slower).
+    # How per-block weight offsets (Q4_1, K formats) reach the output: "folded" into integer zero
+    # points plus extra quantized input columns of the same MatMulNBits (within ~1/400 of a
+    # quantization step; the fast path), or "float": a float32 (block sums @ offsets) correction
+    # added after it (exact; two more kernels per projection).
     offsets: Literal["folded", "float"] = "folded"
     offset_levels: int | None = None  # rounds of folding; None: quantized.OFFSET_LEVELS
 
