@@ -38,6 +38,7 @@ from tokenwire.server.engine.types import (
     GenerationResult,
     RequestTicket,
     Started,
+    TimingReport,
     TokenLogprobs,
     TokensGenerated,
 )
@@ -472,15 +473,10 @@ class Engine:
         self._forget(sequence.key)
 
     def _abort_unstarted(self, entry: _Waiting, reason: AbortReason, now: float) -> None:
+        # It never ran a step, so its abort took effect with no step at all.
+        if self._abort_step.pop(entry.key, None) is not None:
+            self.stats.aborted += 1
         if reason is AbortReason.CANCELLED or reason is AbortReason.DISCONNECTED:
-            timing = timing_report(
-                received=entry.request.received_at,
-                started=None,
-                first_token=None,
-                last_token=None,
-                finished=now,
-                tokens=0,
-            )
             result = GenerationResult(
                 request_id=entry.request.request_id,
                 model=entry.request.model,
@@ -488,7 +484,7 @@ class Engine:
                 token_ids=(),
                 finish_reason=FinishReason.CANCELLED,
                 prompt_tokens=len(entry.request.prompt_ids),
-                timing=timing,
+                timing=_unstarted_timing(entry, now),
             )
             self._emit(entry.sink, Completed(result))
             self._report_unstarted(entry, now, "cancelled", FinishReason.CANCELLED)
@@ -496,9 +492,6 @@ class Engine:
             self._fail_unstarted(entry, _deadline_error("in the queue"), now, outcome="deadline")
         else:
             self._fail_unstarted(entry, _shutdown_error(), now, outcome="unavailable")
-        # It never ran a step, so its abort took effect with no step at all.
-        if self._abort_step.pop(entry.key, None) is not None:
-            self.stats.aborted += 1
 
     def _fail_unstarted(self, entry: _Waiting, error: GenerationError, now: float, *, outcome: str) -> None:
         self._emit(entry.sink, Failed(error))
@@ -508,14 +501,7 @@ class Engine:
         self, entry: _Waiting, now: float, outcome: str, finish: FinishReason | None
     ) -> None:
         self.stats.finished += 1
-        timing = timing_report(
-            received=entry.request.received_at,
-            started=None,
-            first_token=None,
-            last_token=None,
-            finished=now,
-            tokens=0,
-        )
+        timing = _unstarted_timing(entry, now)
         self._observer.request_finished(
             model=self._model,
             outcome=outcome,
@@ -529,6 +515,8 @@ class Engine:
     def _forget(self, key: int) -> None:
         with self._lock:
             self._inbox.live.discard(key)
+            # An abort may have raced with the request ending by itself (deadline, failure).
+            self._abort_step.pop(key, None)
 
     def _fail_everything(self, error: GenerationError) -> None:
         for sequence in [*self._prefilling, *self._decoding.values()]:
@@ -578,6 +566,17 @@ class Engine:
                 log.exception("event sink failed")
         if self._idle is not None and idle and self.live_count == 0:
             self._idle.set()
+
+
+def _unstarted_timing(entry: _Waiting, now: float) -> TimingReport:
+    return timing_report(
+        received=entry.request.received_at,
+        started=None,
+        first_token=None,
+        last_token=None,
+        finished=now,
+        tokens=0,
+    )
 
 
 def _deadline_error(where: str) -> GenerationError:
