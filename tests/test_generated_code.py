@@ -11,6 +11,8 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_generated_code_is_up_to_date() -> None:
     result = subprocess.run(
-        [sys.executable, str(ROOT / "scripts" / "generate_proto.py"), "--check"], capture_output=True, text=True
+        [sys.executable, str(ROOT / "scripts" / "generate_proto.py"), "--check"],
+        capture_output=True,
+        text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr

@@ -47,7 +47,14 @@ def main() -> None:
         buffers = [ort.OrtValue.ortvalue_from_shape_and_type(shape, kv_type, "cuda", 0) for _ in past]
         pointers = [b.data_ptr() for b in buffers]
 
-        def bind_kv(binding: ort.IOBinding, first: int, rows: int) -> None:
+        def bind_kv(
+            binding: ort.IOBinding,
+            first: int,
+            rows: int,
+            shape: list[int] = shape,
+            pointers: list[int] = pointers,
+            slot_bytes: int = slot_bytes,
+        ) -> None:
             for p, q, ptr in zip(past, present, pointers, strict=True):
                 shape_rows = [rows, *shape[1:]]
                 binding.bind_input(p, "cuda", 0, kv_type, shape_rows, ptr + first * slot_bytes)
@@ -82,13 +89,18 @@ def main() -> None:
             ids[:, 0] = logits[:, 0].argmax(-1)
             length += 1
         seconds = time.perf_counter() - started
-        print(json.dumps({
-            "batch": batch,
-            "decode_tokens_per_second": batch * args.new / seconds,
-            "step_ms": seconds / args.new * 1000,
-            "prefill_ms_median": float(np.median(prefill_seconds[1:] or prefill_seconds)) * 1000,
-            "provider": session.get_providers()[0],
-        }), flush=True)
+        print(
+            json.dumps(
+                {
+                    "batch": batch,
+                    "decode_tokens_per_second": batch * args.new / seconds,
+                    "step_ms": seconds / args.new * 1000,
+                    "prefill_ms_median": float(np.median(prefill_seconds[1:] or prefill_seconds)) * 1000,
+                    "provider": session.get_providers()[0],
+                }
+            ),
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

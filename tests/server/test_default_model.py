@@ -10,21 +10,15 @@ import pytest
 
 from tests.conftest import ServerFactory
 from tokenwire.client import AsyncClient, ChatMessage, FinishReason, GenerateOptions, Sampling, Stopping
-from tokenwire.server.models.pull import DEFAULT_MODEL, pull_model
 
 pytestmark = pytest.mark.slow
 
 
-@pytest.fixture(scope="session")
-def real_model_dir() -> Path:
-    """The default model as `tokenwire serve` gets it: pulled into the cache once, then reused."""
-    return pull_model(DEFAULT_MODEL, progress=False)
-
-
 @pytest.fixture
 async def real_client(start_server: ServerFactory, real_model_dir: Path) -> AsyncIterator[AsyncClient]:
-    server = await start_server(model_dir=real_model_dir, max_batch_size=2, intra_op_threads=2,
-                                max_context_length=1024)
+    server = await start_server(
+        model_dir=real_model_dir, max_batch_size=2, intra_op_threads=2, max_context_length=1024
+    )
     async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
         yield client
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -10,21 +9,10 @@ from gguf import GGMLQuantizationType as Q
 
 from tests.server.models.llama_reference import ReferenceModel, reference_from_weights
 from tests.server.models.synthetic_gguf import MIXED_FORMATS, SyntheticGguf, write_synthetic_gguf
-from tokenwire.server.models.pull import DEFAULT_MODEL, HOME_ENV, fetch_gguf, pull_model
 from tokenwire.server.models.tiny_llama import create_tiny_llama, tiny_llama_config, tiny_llama_weights
 
 HERE = Path(__file__).parent
 PASSAGE_PATH = HERE / "data" / "perplexity_passage.txt"
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Slow tests here need the real model (a ~100 MB download): run them only when `-m` names them."""
-    if "slow" in (config.option.markexpr or ""):
-        return
-    skip = pytest.mark.skip(reason="needs the real model; run with -m slow")
-    for item in items:
-        if item.get_closest_marker("slow") and HERE in item.path.parents:
-            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")
@@ -57,23 +45,6 @@ def q4_1_gguf(tmp_path_factory: pytest.TempPathFactory) -> SyntheticGguf:
     return write_synthetic_gguf(
         tmp_path_factory.mktemp("gguf") / "q4_1.gguf", formats=formats, embedding=Q.Q4_1, head=Q.Q6_K, seed=1
     )
-
-
-@pytest.fixture(scope="session")
-def tokenwire_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Where the real model is cached: $TOKENWIRE_HOME if set, else a directory for this session."""
-    configured = os.environ.get(HOME_ENV)
-    return Path(configured) if configured else tmp_path_factory.mktemp("tokenwire-home")
-
-
-@pytest.fixture(scope="session")
-def default_gguf(tokenwire_home: Path) -> Path:
-    return fetch_gguf(DEFAULT_MODEL, home=tokenwire_home, progress=False)
-
-
-@pytest.fixture(scope="session")
-def default_model_dir(tokenwire_home: Path, default_gguf: Path) -> Path:
-    return pull_model(DEFAULT_MODEL, home=tokenwire_home, progress=False)
 
 
 @pytest.fixture(scope="session")

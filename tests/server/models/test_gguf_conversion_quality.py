@@ -20,15 +20,15 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def passage_ids(default_model_dir: Path, passage: str) -> list[int]:
-    ids: list[int] = Tokenizer.from_file(str(default_model_dir / "tokenizer.json")).encode(passage).ids
+def passage_ids(real_model_dir: Path, passage: str) -> list[int]:
+    ids: list[int] = Tokenizer.from_file(str(real_model_dir / "tokenizer.json")).encode(passage).ids
     assert 300 < len(ids) < 600
     return ids
 
 
 @pytest.fixture(scope="module")
-def reference_logits(default_gguf: Path, passage_ids: list[int]) -> np.ndarray:
-    return forward(reference_from_gguf(default_gguf), passage_ids)
+def reference_logits(real_gguf: Path, passage_ids: list[int]) -> np.ndarray:
+    return forward(reference_from_gguf(real_gguf), passage_ids)
 
 
 def _converted_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
@@ -36,17 +36,17 @@ def _converted_logits(model_dir: Path, ids: list[int]) -> np.ndarray:
 
 
 def test_perplexity_within_one_percent_of_the_float_reference(
-    default_model_dir: Path, passage_ids: list[int], reference_logits: np.ndarray
+    real_model_dir: Path, passage_ids: list[int], reference_logits: np.ndarray
 ) -> None:
     reference = perplexity(reference_logits, passage_ids)
-    converted = perplexity(_converted_logits(default_model_dir, passage_ids), passage_ids)
+    converted = perplexity(_converted_logits(real_model_dir, passage_ids), passage_ids)
     assert abs(converted - reference) / reference < 0.01, (converted, reference)
 
 
 def test_next_token_distributions_stay_close(
-    default_model_dir: Path, passage_ids: list[int], reference_logits: np.ndarray
+    real_model_dir: Path, passage_ids: list[int], reference_logits: np.ndarray
 ) -> None:
-    logits = _converted_logits(default_model_dir, passage_ids)
+    logits = _converted_logits(real_model_dir, passage_ids)
     # Measured: KL ~0.003 nats and ~97% top-1 agreement, all of it from int8 activations
     # (the same graph in float32 compute agrees with the reference to 1e-4 logits).
     assert mean_kl(reference_logits, logits) < 0.01
@@ -64,19 +64,19 @@ def _greedy(model_dir: Path, prompt: str, new_tokens: int) -> str:
     return text
 
 
-def test_greedy_completion_knows_the_capital_of_france(default_model_dir: Path) -> None:
-    assert _greedy(default_model_dir, "The capital of France is", 4).lstrip().startswith("Paris")
+def test_greedy_completion_knows_the_capital_of_france(real_model_dir: Path) -> None:
+    assert _greedy(real_model_dir, "The capital of France is", 4).lstrip().startswith("Paris")
 
 
-def test_chat_template_answer(default_model_dir: Path) -> None:
+def test_chat_template_answer(real_model_dir: Path) -> None:
     prompt = "<|im_start|>user\nWhat is the capital of France?<|im_end|>\n<|im_start|>assistant\n"
-    assert "Paris" in _greedy(default_model_dir, prompt, 12)
+    assert "Paris" in _greedy(real_model_dir, prompt, 12)
 
 
 def test_float16_export_tracks_the_reference(
-    tokenwire_home: Path, default_gguf: Path, passage_ids: list[int], reference_logits: np.ndarray
+    real_model_home: Path, real_gguf: Path, passage_ids: list[int], reference_logits: np.ndarray
 ) -> None:
-    model_dir = pull_model(DEFAULT_MODEL, home=tokenwire_home, progress=False, dtype="float16")
+    model_dir = pull_model(DEFAULT_MODEL, home=real_model_home, progress=False, dtype="float16")
     logits = _converted_logits(model_dir, passage_ids)
     reference = perplexity(reference_logits, passage_ids)
     assert abs(perplexity(logits, passage_ids) - reference) / reference < 0.02

@@ -126,8 +126,8 @@ def test_unknown_tokenizers_are_refused() -> None:
 
 
 @pytest.mark.slow
-def test_default_model_vocabulary_matches_reference_bpe(default_gguf: Path, passage: str) -> None:
-    vocab = read_gguf(default_gguf).vocabulary
+def test_default_model_vocabulary_matches_reference_bpe(real_gguf: Path, passage: str) -> None:
+    vocab = read_gguf(real_gguf).vocabulary
     assert vocab.pre == "smollm"
     tokenizer = build_tokenizer(vocab)
     reference = reference_for(vocab)
