@@ -73,16 +73,17 @@ async def test_generate_reports_bad_flags_with_the_field(
     assert "INVALID_ARGUMENT" in err and "sampling.top_p" in err
 
 
-async def test_chat_flag_uses_the_chat_template(
-    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(("flags", "chat"), [((), True), (("--chat",), True), (("--raw",), False)])
+async def test_prompt_goes_through_the_chat_template_unless_raw_is_asked_for(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], chat: bool
 ) -> None:
     code, out, _ = await run_cli(
         capsys,
         "generate",
         "--server",
         f"127.0.0.1:{server.port}",
-        "--chat",
         "--timeline",
+        *flags,
         "--max-new-tokens",
         "4",
         "--temperature",
@@ -91,8 +92,12 @@ async def test_chat_flag_uses_the_chat_template(
         "What is gravity?",
     )
     assert code == 0
-    rendered = "<|im_start|>user\nWhat is gravity?<|im_end|>\n<|im_start|>assistant\n"
-    prompt_tokens = len(server.registry.default.model.tokenizer.encode(rendered, add_special_tokens=False))
+    tokenizer = server.registry.default.model.tokenizer
+    if chat:
+        rendered = "<|im_start|>user\nWhat is gravity?<|im_end|>\n<|im_start|>assistant\n"
+        prompt_tokens = len(tokenizer.encode(rendered, add_special_tokens=False))
+    else:
+        prompt_tokens = len(tokenizer.encode("What is gravity?"))
     assert f"prefill of {prompt_tokens} prompt tokens" in out
 
 

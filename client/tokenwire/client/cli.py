@@ -32,10 +32,19 @@ DEFAULT_SERVER = "localhost:50051"
 def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     generate = commands.add_parser("generate", help="generate text with a running server")
     _add_connection_flags(generate)
-    generate.add_argument("prompt", help="the prompt text (with --chat: the user's message)")
+    generate.add_argument(
+        "prompt",
+        help="the user's message for a chat model; the raw prompt text with --raw or a model without one",
+    )
     generate.add_argument("--model", default="", help="model name (default: the server's default)")
-    generate.add_argument("--chat", action="store_true", help="send the prompt as a chat message")
-    generate.add_argument("--system", help="system message (with --chat)")
+    form = generate.add_mutually_exclusive_group()
+    form.add_argument(
+        "--chat",
+        action="store_true",
+        help="send the prompt as a chat message (the default when the model has a chat template)",
+    )
+    form.add_argument("--raw", action="store_true", help="send the prompt text as is, even to a chat model")
+    generate.add_argument("--system", help="system message (chat only)")
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.add_argument(
         "--timeline",
@@ -106,14 +115,14 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
 
 def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    prompt: str | list[ChatMessage] = args.prompt
-    if args.chat:
-        turns = [ChatMessage("system", args.system)] if args.system else []
-        prompt = [*turns, ChatMessage("user", args.prompt)]
     options = _options(args)
-    sent = time.monotonic()
     try:
         with connect(args) as client:
+            prompt: str | list[ChatMessage] = args.prompt
+            if _wants_chat(args, client):
+                turns = [ChatMessage("system", args.system)] if args.system else []
+                prompt = [*turns, ChatMessage("user", args.prompt)]
+            sent = time.monotonic()
             if not args.stream:
                 generation = client.generate(prompt, options)
                 out.write(generation.text + "\n")
@@ -148,6 +157,15 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
         if error.retry_after is not None:
             print(f"  retry after {error.retry_after:.2f}s", file=sys.stderr)
         return 1
+
+
+def _wants_chat(args: argparse.Namespace, client: Client) -> bool:
+    """Chat when asked, raw when asked, otherwise chat exactly when the model has a template."""
+    if args.chat or args.raw:
+        return bool(args.chat)
+    models = client.list_models()
+    chosen = next((m for m in models if m.name == args.model or (not args.model and m.is_default)), None)
+    return chosen is not None and chosen.has_chat_template
 
 
 def _ms(seconds: float | None) -> str:
