@@ -24,6 +24,7 @@ from tokenwire.server.health import HealthReporter
 from tokenwire.server.lifecycle import Lifecycle, ServingPhase
 from tokenwire.server.models.loader import LoadedModel, LoadSettings, load_model
 from tokenwire.server.models.session import SessionSettings
+from tokenwire.server.models.warmup import warm_up
 from tokenwire.server.observers import ObserverFanOut
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import BearerTokenInterceptor, Metadata
@@ -138,6 +139,7 @@ class TokenwireServer:
         )
         for source in settings.models:
             loaded = await asyncio.to_thread(load_model, source.path, load_settings, name=source.name)
+            await asyncio.to_thread(warm_up, loaded.runner)
             if self._wrap_model is not None:
                 loaded = self._wrap_model(loaded)
             engine = Engine(
