@@ -146,12 +146,17 @@ def _cpu_idle_and_total() -> tuple[int, int]:
     return fields[3] + fields[4], sum(fields[:8])  # idle + iowait, all but guest time
 
 
-def wait_for_quiet(*, idle_fraction: float = 0.85, window: float = 1.0, max_wait: float = 60.0) -> bool:
+def wait_for_quiet(
+    *, idle_fraction: float = 0.85, window: float = 1.0, max_wait: float | None = None
+) -> bool:
     """Wait until the machine's CPUs were at least `idle_fraction` idle over `window` seconds.
 
     On a shared 2-core machine another process's burst can halve a measurement; starting each
     repetition on a quiet machine keeps the A/B pairs comparable. False if it never got quiet.
+    `max_wait` defaults to $TOKENWIRE_BENCH_QUIET_WAIT seconds, else 60.
     """
+    if max_wait is None:
+        max_wait = float(os.environ.get("TOKENWIRE_BENCH_QUIET_WAIT", "60"))
     deadline = time.monotonic() + max_wait
     while True:
         idle_before, total_before = _cpu_idle_and_total()

@@ -109,8 +109,11 @@ async def sse_completion(port: int, body: dict[str, Any]) -> list[float]:
                 content = line[5:].strip()
                 if content == b"[DONE]":
                     done = True
-                elif json.loads(content).get("choices"):
-                    stamps.append(now)
+                else:
+                    choices = json.loads(content).get("choices") or [{}]
+                    # The stream ends with an empty chunk that only carries the finish reason.
+                    if choices[0].get("text") or choices[0].get("finish_reason") is None:
+                        stamps.append(now)
     writer.close()
     with contextlib.suppress(OSError):
         await writer.wait_closed()
