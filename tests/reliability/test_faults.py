@@ -277,16 +277,16 @@ async def test_deadlines_passing_in_the_queue_and_mid_decode_stop_the_work(
         events = stream.events()
         # Each newcomer waits while the engine is held in a step; one allowed step admits it.
         await stream.submit("long", "No deadline", greedy(30))
-        await reading(events, transcript, lambda t: len(t.chunks("long")) == 1)
+        await reading(events, transcript, lambda t: len(t.tokens("long")) == 1)
         await stream.submit("mid", "Runs out of time mid-decode", greedy(30, timeout=0.5))
         await wait_until(lambda: engine.queue_depth == 1, what="mid to wait")
         gate.allow(1)
-        await reading(events, transcript, lambda t: len(t.chunks("mid")) == 1)
+        await reading(events, transcript, lambda t: len(t.tokens("mid")) == 1)
         running = asyncio.create_task(client.generate("Unary, running", greedy(30), deadline=1.0))
         await wait_until(lambda: engine.queue_depth == 1, what="the unary call to wait")
         gate.allow(1)
         await wait_until(lambda: engine.live_count == 3 and engine.queue_depth == 0, what="three running")
-        await reading(events, transcript, lambda t: len(t.chunks("mid")) == 2)
+        await reading(events, transcript, lambda t: len(t.tokens("mid")) == 2)
         await stream.submit("queued", "Runs out of time in the queue", greedy(30, timeout=0.5))
         await reading(events, transcript, lambda t: bool(t.events["queued"]))
         waiting = asyncio.create_task(client.generate("Unary, queued", greedy(30), deadline=1.0))
@@ -374,7 +374,7 @@ async def test_failing_model_steps_fail_only_their_requests_and_the_stream_stays
     ):
         events = stream.events()
         await stream.submit("s0", "Alone first", greedy(20))
-        await reading(events, transcript, lambda t: len(t.chunks("s0")) == 1)
+        await reading(events, transcript, lambda t: len(t.tokens("s0")) == 1)
         for index in range(1, 6):
             await stream.submit(f"s{index}", f"Behind the held step {index}", greedy(20))
         await wait_until(lambda: engine.live_count == 6, what="six live requests")

@@ -90,7 +90,7 @@ async def test_a_real_queue_turns_health_off_and_back_on_through_watch(tiny_mode
         transcript = Transcript()
         events = stream.events()
         await stream.submit("r0", "Holds the only slot", LONG)
-        await read_until(events, transcript, lambda t: len(t.chunks("r0")) >= 1)
+        await read_until(events, transcript, lambda t: len(t.tokens("r0")) >= 1)
         for request_id in ("r1", "r2", "r3", "r4"):
             await stream.submit(request_id, "Queued", LONG)
         await read_until(events, transcript, lambda t: all(t.events[r] for r in ("r1", "r2", "r3", "r4")))
@@ -106,9 +106,9 @@ async def test_a_real_queue_turns_health_off_and_back_on_through_watch(tiny_mode
         # Each allowed step ends a scheduling round, which reports the queue; the chunk it
         # produces arrives after that report's health update.
         async def one_round() -> None:
-            before = len(transcript.chunks("r0"))
+            before = len(transcript.tokens("r0"))
             gate.allow(1)
-            await read_until(events, transcript, lambda t: len(t.chunks("r0")) > before)
+            await read_until(events, transcript, lambda t: len(t.tokens("r0")) > before)
 
         await one_round()  # 4 queued, at or over the high watermark
         assert (await watch.read()).status == NOT_SERVING

@@ -99,7 +99,7 @@ async def start_long_generation(client: AsyncClient) -> tuple[AsyncIterator[obje
     await stream.close_requests()
     events = stream.events()
     transcript = Transcript()
-    await read_until(events, transcript, lambda t: len(t.chunks("long")) >= 1)
+    await read_until(events, transcript, lambda t: len(t.tokens("long")) >= 1)
     return events, transcript, stream  # type: ignore[return-value]
 
 

@@ -69,7 +69,7 @@ async def test_deadline_passing_in_the_queue_fails_without_ever_starting(
     ):
         events = stream.events()
         await stream.submit("busy", "Occupy the only slot", greedy(20))
-        await read_until(events, transcript, lambda t: len(t.chunks("busy")) >= 1)
+        await read_until(events, transcript, lambda t: len(t.tokens("busy")) >= 1)
         await stream.submit("late", "Waits in the queue", greedy(20, timeout=0.2))
         await read_until(events, transcript, lambda t: bool(t.events["late"]))
         await asyncio.sleep(0.25)  # the per-request deadline passes while the request is queued
@@ -97,9 +97,9 @@ async def test_deadline_passing_mid_generation_stops_it(one_slot: TokenwireServe
     ):
         events = stream.events()
         await stream.submit("r", "Runs out of time", greedy(100, timeout=0.3))
-        await read_until(events, transcript, lambda t: len(t.chunks("r")) >= 1)
+        await read_until(events, transcript, lambda t: len(t.tokens("r")) >= 1)
         gate.allow(3)
-        await read_until(events, transcript, lambda t: len(t.chunks("r")) >= 4)
+        await read_until(events, transcript, lambda t: len(t.tokens("r")) >= 4)
         await asyncio.sleep(0.35)  # the deadline passes while a step is held
         gate.allow(2)
         await read_until(events, transcript, lambda t: t.finished("r"))
@@ -140,7 +140,7 @@ async def test_client_cancelling_the_stream_stops_all_its_generations(
         await stream.submit("y", "Second of two", greedy(150))
         await read_until(events, transcript, lambda t: bool(t.events["x"]) and bool(t.events["y"]))
         gate.allow(2)
-        await read_until(events, transcript, lambda t: len(t.chunks("x")) >= 2 and len(t.chunks("y")) >= 2)
+        await read_until(events, transcript, lambda t: len(t.tokens("x")) >= 2 and len(t.tokens("y")) >= 2)
         stream.cancel_all()
     await wait_until(lambda: engine.stats.abort_requests == 2, what="the server to notice the cancelled call")
     steps_at_cancel = engine.stats.decode_steps

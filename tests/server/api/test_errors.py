@@ -181,7 +181,7 @@ async def test_duplicate_live_request_id_is_rejected_and_the_first_continues(
     ):
         events = stream.events()
         await stream.submit("dup", "First", greedy(5))
-        await read_until(events, transcript, lambda t: len(t.chunks("dup")) >= 1)
+        await read_until(events, transcript, lambda t: len(t.tokens("dup")) >= 1)
         await stream.submit("dup", "Second", greedy(5))
         await read_until(events, transcript, lambda t: any(isinstance(e, Failed) for e in t.events["dup"]))
         gate.open()

@@ -90,11 +90,11 @@ async def test_multiplexed_generations_with_one_cancelled_midway(
             # where it admits and prefills whatever waits; prefill yields each first token.
             await read_until(events, transcript, lambda t: all(t.events[r] for r in "abc"))
             gate.allow(1)
-            await read_until(events, transcript, lambda t: all(len(t.chunks(r)) >= 1 for r in "abc"))
-            done = {r: len(transcript.chunks(r)) for r in "abc"}
+            await read_until(events, transcript, lambda t: all(len(t.tokens(r)) >= 1 for r in "abc"))
+            done = {r: len(transcript.tokens(r)) for r in "abc"}
             gate.allow(5)
             await read_until(
-                events, transcript, lambda t: all(len(t.chunks(r)) >= done[r] + 5 for r in "abc")
+                events, transcript, lambda t: all(len(t.tokens(r)) >= done[r] + 5 for r in "abc")
             )
             # The engine now holds the next decode step at the gate, with "b" in its batch.
             streamed_before_cancel = len(transcript.tokens("b"))

@@ -150,7 +150,7 @@ async def test_drain_keeps_metrics_up_and_flushes_spans_and_metrics_before_exit(
         await stream.submit("drained", "A long answer", LONG)
         await stream.close_requests()
         # The second token comes from a decode step, which the step counter saw before it was sent.
-        await read_until(events, transcript, lambda t: len(t.chunks("drained")) >= 2)
+        await read_until(events, transcript, lambda t: len(t.tokens("drained")) >= 2)
         watch = health_pb2_grpc.HealthStub(health_channel).Watch(health_pb2.HealthCheckRequest())
         process.send_signal(signal.SIGTERM)
         async for update in watch:

@@ -85,16 +85,16 @@ async def test_gauges_show_the_queue_and_the_running_batch(tiny_model_dir: Path)
             events = stream.events()
             # The gate holds every decode step, so each admission happens at a known point.
             await stream.submit("a", "First in", greedy(50))
-            await read_until(events, transcript, lambda t: len(t.chunks("a")) >= 1)
+            await read_until(events, transcript, lambda t: len(t.tokens("a")) >= 1)
             await stream.submit("b", "Second in", greedy(50))
             await read_until(events, transcript, lambda t: bool(t.events["b"]))  # queued in the engine
             gate.allow(1)  # a's step ends the round; the next one admits b and prefills it
-            await read_until(events, transcript, lambda t: len(t.chunks("b")) >= 1)
+            await read_until(events, transcript, lambda t: len(t.tokens("b")) >= 1)
             for request_id in ("c", "d", "e"):
                 await stream.submit(request_id, "Wait your turn", greedy(50))
             await read_until(events, transcript, lambda t: all(t.events[r] for r in "cde"))
             gate.allow(1)  # a and b decode together; the round reports its occupancy
-            await read_until(events, transcript, lambda t: len(t.chunks("b")) >= 2)
+            await read_until(events, transcript, lambda t: len(t.tokens("b")) >= 2)
             during = await scrape(server.metrics_port)
             for request_id in "abcde":
                 await stream.cancel(request_id)
@@ -132,7 +132,7 @@ async def test_every_outcome_is_counted_once_where_it_happens(tiny_model_dir: Pa
             events = stream.events()
             await stream.submit("running", "Holds the only slot", greedy(100))
             await stream.submit("queued", "Holds the only queue place", greedy(100))
-            await read_until(events, transcript, lambda t: len(t.chunks("running")) >= 1)
+            await read_until(events, transcript, lambda t: len(t.tokens("running")) >= 1)
             await read_until(events, transcript, lambda t: bool(t.events["queued"]))
             with pytest.raises(TokenwireError) as rejected:
                 await client.generate("No room", greedy(4))

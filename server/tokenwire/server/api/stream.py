@@ -67,8 +67,10 @@ class StreamSession:
                     raise self._reader_error
                 if self._half_closed and not self._live and self._outbox.empty():
                     return
-                message = await self._outbox.get()
-                if message is not None:
+                backlog = [await self._outbox.get()]
+                while not self._outbox.empty():
+                    backlog.append(self._outbox.get_nowait())
+                for message in coalesce_chunks(backlog):
                     yield message
         finally:
             reader.cancel()
@@ -147,6 +149,33 @@ class StreamSession:
         if isinstance(event, Completed):
             self._live.pop(request_id, None)
         self._outbox.put_nowait(convert.stream_event(request_id, event))
+
+
+def coalesce_chunks(backlog: list[pb.StreamGenerateResponse | None]) -> list[pb.StreamGenerateResponse]:
+    """Merge the chunks of each request that piled up while the previous message was being sent.
+
+    Only a backlog is merged, so a reader that keeps up still gets every token the moment it is
+    made; one that falls behind gets fewer, larger chunks instead of paying per token on both
+    sides. A request's events keep their order: its chunks merge only up to its next other event.
+    """
+    merged: list[pb.StreamGenerateResponse] = []
+    open_chunks: dict[str, pb.StreamGenerateResponse] = {}
+    for message in backlog:
+        if message is None:
+            continue
+        request_id = message.request_id
+        if message.WhichOneof("event") == "chunk":
+            target = open_chunks.get(request_id)
+            if target is not None:
+                target.chunk.text += message.chunk.text
+                target.chunk.token_ids.extend(message.chunk.token_ids)
+                target.chunk.logprobs.extend(message.chunk.logprobs)
+                continue
+            open_chunks[request_id] = message
+        else:
+            open_chunks.pop(request_id, None)
+        merged.append(message)
+    return merged
 
 
 def _error_event(request_id: str, error: GenerationError) -> pb.StreamGenerateResponse:

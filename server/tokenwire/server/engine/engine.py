@@ -340,6 +340,8 @@ class Engine:
                 # Join the decoding set first: _accept_tokens removes it again if it already ended.
                 self._decoding[sequence.key] = sequence
                 self._accept_tokens([sequence], logits[np.newaxis, :], now)
+                # Its first token leaves now, not after the round's other prompts.
+                self._flush()
 
     def _run_decode(self) -> None:
         rows = [s for s in self._decoding.values() if s.output_ids]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import heapq
 import json
+import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -90,6 +91,17 @@ def _section(config: dict[str, object], key: str) -> dict[str, object]:
     return value
 
 
+def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype[np.floating]) -> np.ndarray:
+    """A zeroed array whose memory is only taken as it is written.
+
+    Anonymous mappings start as the kernel's shared zero page, so a cache sized for many slots
+    costs resident memory only for the positions sequences actually fill. (np.zeros gives the
+    same only from the main thread's malloc arena; models load in a worker thread.)
+    """
+    size = int(np.prod(shape)) * dtype.itemsize
+    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
+
+
 class _KvBuffers:
     """The preallocated cache: one [slots, kv_heads, max_len, head_dim] buffer per KV tensor."""
 
@@ -102,8 +114,7 @@ class _KvBuffers:
         self.host: list[np.ndarray] = []
         self.device_values: list[ort.OrtValue] = []
         if device == "cpu":
-            # np.zeros maps pages lazily: memory is touched only as sequences fill their slots.
-            self.host = [np.zeros(self.shape, dtype=self.dtype) for _ in layout.past_names]
+            self.host = [_lazy_zeros(self.shape, self.dtype) for _ in layout.past_names]
             self.pointers = [int(a.ctypes.data) for a in self.host]
         else:
             self.device_values = [
@@ -216,6 +227,10 @@ class SharedKvRunner:
         binding.bind_input("attention_mask", "cpu", 0, np.int64, [rows, width], mask.ctypes.data)
         self._run(binding)
         self._lengths[slots] += 1
+        if self._logits.dtype == np.float32 and np.array_equal(slots, self._positions[: len(slots)]):
+            # Rows already in slot order: hand out the bound buffer itself, no copy (the caller
+            # consumes it before the next step overwrites it).
+            return self._logits[: len(slots)]
         return np.asarray(self._logits[slots], dtype=np.float32)
 
     def release(self, seq_id: int) -> None:
