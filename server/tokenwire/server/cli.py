@@ -63,8 +63,12 @@ def _serve(args: argparse.Namespace) -> int:
     configure_logging(settings.telemetry.log_level, settings.telemetry.log_format)
     if not settings.models:
         from tokenwire.server.models.pull import pull_model
+        from tokenwire.server.models.session import CUDA_PROVIDER, choose_provider
 
-        settings = replace(settings, models=(ModelSource(pull_model(DEFAULT_MODEL), DEFAULT_MODEL),))
+        # GroupQueryAttention on CUDA is half precision only: a GPU gets the float16 export.
+        dtype = "float16" if choose_provider(settings.device) == CUDA_PROVIDER else "float32"
+        default = ModelSource(pull_model(DEFAULT_MODEL, dtype=dtype), DEFAULT_MODEL)
+        settings = replace(settings, models=(default,))
     from tokenwire.server.main import run
 
     return run(settings)
@@ -73,13 +77,19 @@ def _serve(args: argparse.Namespace) -> int:
 def _add_pull(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     pull = commands.add_parser("pull", help="fetch and convert a known model into the local cache")
     pull.add_argument("name", nargs="?", default=DEFAULT_MODEL, help="model to pull")
+    pull.add_argument(
+        "--dtype",
+        choices=("float32", "float16"),
+        default="float32",
+        help="activation and KV-cache type; CUDA needs float16 (its GroupQueryAttention is half precision)",
+    )
     pull.set_defaults(handler=_pull)
 
 
 def _pull(args: argparse.Namespace) -> int:
     from tokenwire.server.models.pull import pull_model
 
-    print(pull_model(args.name))
+    print(pull_model(args.name, dtype=args.dtype))
     return 0
 
 
