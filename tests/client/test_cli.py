@@ -20,16 +20,15 @@ async def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, 
     return code, captured.out, captured.err
 
 
-async def test_generate_streams_text_and_prints_the_timeline(
+async def test_generate_streams_text_on_stdout_and_the_timeline_on_stderr_by_default(
     server: TokenwireServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = await run_cli(
+    code, out, err = await run_cli(
         capsys,
         "generate",
         "--server",
         f"127.0.0.1:{server.port}",
         "--stream",
-        "--timeline",
         "--temperature",
         "0",
         "--max-new-tokens",
@@ -38,8 +37,8 @@ async def test_generate_streams_text_and_prints_the_timeline(
         "Hello, world!",
     )
     assert code == 0
-    text, _, timeline = out.partition("--- timeline")
-    assert text.strip()
+    assert out.strip() and "timeline" not in out
+    _, _, timeline = err.partition("--- timeline")
     for label in ("queued", "first token", "decoding", "total"):
         assert label in timeline
     assert re.search(r"total\s+[\d.]+ ms for 16 tokens, finish length", timeline)
@@ -58,9 +57,10 @@ async def test_generate_unary_text_equals_streamed_text(
         "--ignore-eos",
         "The capital of France is",
     )
-    _, streamed, _ = await run_cli(capsys, "generate", "--stream", *common)
-    _, unary, _ = await run_cli(capsys, "generate", *common)
+    _, streamed, streamed_err = await run_cli(capsys, "generate", "--stream", "--no-timeline", *common)
+    _, unary, unary_err = await run_cli(capsys, "generate", *common)
     assert streamed == unary
+    assert "timeline" not in streamed_err + unary_err
 
 
 async def test_generate_reports_bad_flags_with_the_field(
@@ -77,7 +77,7 @@ async def test_generate_reports_bad_flags_with_the_field(
 async def test_prompt_goes_through_the_chat_template_unless_raw_is_asked_for(
     server: TokenwireServer, capsys: pytest.CaptureFixture[str], flags: tuple[str, ...], chat: bool
 ) -> None:
-    code, out, _ = await run_cli(
+    code, _, err = await run_cli(
         capsys,
         "generate",
         "--server",
@@ -98,7 +98,7 @@ async def test_prompt_goes_through_the_chat_template_unless_raw_is_asked_for(
         prompt_tokens = len(tokenizer.encode(rendered, add_special_tokens=False))
     else:
         prompt_tokens = len(tokenizer.encode("What is gravity?"))
-    assert f"prefill of {prompt_tokens} prompt tokens" in out
+    assert f"prefill of {prompt_tokens} prompt tokens" in err
 
 
 async def test_models_lists_the_served_model(

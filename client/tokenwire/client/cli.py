@@ -48,8 +48,10 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     generate.add_argument("--stream", action="store_true", help="print text as it is generated")
     generate.add_argument(
         "--timeline",
-        action="store_true",
-        help="show where the time went: queued, first token, token rate, total",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="after the text, show on stderr where the time went: queued, first token, token rate,"
+        " total (default: on with --stream, off without)",
     )
     generate.add_argument("--temperature", type=float, help="0 = greedy (default: the model's default)")
     generate.add_argument("--top-k", type=int, default=0, help="0 disables")
@@ -116,6 +118,8 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
 def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
     options = _options(args)
+    # The timeline goes to stderr so that stdout carries the generated text alone.
+    timeline = args.stream if args.timeline is None else args.timeline
     try:
         with connect(args) as client:
             prompt: str | list[ChatMessage] = args.prompt
@@ -126,8 +130,8 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
             if not args.stream:
                 generation = client.generate(prompt, options)
                 out.write(generation.text + "\n")
-                if args.timeline:
-                    _print_timeline(generation, None, time.monotonic() - sent, out)
+                if timeline:
+                    _print_timeline(generation, None, time.monotonic() - sent, sys.stderr)
                 return 0
             first_text_at: float | None = None
             queue_position = 0
@@ -143,10 +147,10 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
                     raise event.error
                 elif isinstance(event, Completed):
                     out.write("\n")
-                    if args.timeline:
-                        _print_timeline(
-                            event.generation, first_text_at, time.monotonic() - sent, out, queue_position
-                        )
+                    out.flush()
+                    if timeline:
+                        elapsed = time.monotonic() - sent
+                        _print_timeline(event.generation, first_text_at, elapsed, sys.stderr, queue_position)
                 elif isinstance(event, Started):
                     pass
             return 0
