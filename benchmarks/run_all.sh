@@ -12,6 +12,7 @@ python benchmarks/concurrency.py --levels 1,2,4,8,16 --repetitions 5 | tee "$out
 python benchmarks/mixed_workload.py --repetitions 5 | tee "$out/mixed_workload.md"
 python benchmarks/llamacpp.py --levels 1,2,4,8,16 --repetitions 3 | tee "$out/llamacpp.md"
 python benchmarks/profile_server.py --streams 8 --seconds 20 | tee "$out/profile_server.md"
+python benchmarks/stream_cost.py --repetitions 5 | tee "$out/stream_cost.md"
 
 # The load sweep with tokenwire's own bench command: 16 slots, so 32 streams queue.
 model=$(python -c "from tokenwire.server.models.pull import pull_model; print(pull_model(progress=False))")
