@@ -54,7 +54,9 @@ def pick_tokens(logits: np.ndarray, samplers: Sequence[SequenceSampler]) -> list
     plain_greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy and not s.params.needs_history]
     tokens = [0] * len(samplers)
     if plain_greedy:
-        best = np.argmax(logits[plain_greedy], axis=-1)
+        # Indexing with a list copies the rows; when every row is plain greedy there is no need.
+        chosen = logits if len(plain_greedy) == len(samplers) else logits[plain_greedy]
+        best = np.argmax(chosen, axis=-1)
         for row, token in zip(plain_greedy, best.tolist(), strict=True):
             tokens[row] = int(token)
     if len(plain_greedy) < len(samplers):
