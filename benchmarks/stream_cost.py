@@ -105,9 +105,9 @@ def main() -> None:
         f"greedy, median of {args.repetitions}\n"
     )
     print(benchkit.markdown_table(["figure", "StreamGenerate", "Generate (unary)"], rows))
-    record = {"machine": benchkit.machine_summary(), "repetitions": args.repetitions, "runs": results}
+    record = {"repetitions": args.repetitions, "runs": results}
     path = benchkit.save_results("stream_cost", record)
-    print(f"\nwrote {path}")
+    print(f"\nwrote {path.relative_to(benchkit.REPO)}")
 
 
 if __name__ == "__main__":
