@@ -6,6 +6,7 @@ Only loopback addresses are ever used.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import contextlib
 import json
@@ -41,6 +42,16 @@ PASSAGE = (
     "authority, a small suitcase, and a notebook full of questions about the light, the tides and "
     "the ships that had passed the point in the years before the war."
 )
+
+
+def repetitions_from_command_line(description: str | None, default: int = 5) -> int:
+    """The `--repetitions N` option of a benchmark script whose only option it is."""
+    parser = argparse.ArgumentParser(
+        description=description, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repetitions", type=int, default=default)
+    repetitions: int = parser.parse_args().repetitions
+    return repetitions
 
 
 def model_dir() -> Path:

@@ -9,7 +9,6 @@ repetitions: the time until all four are done, and the first-token times (mean a
 
 from __future__ import annotations
 
-import argparse
 from pathlib import Path
 from typing import Any
 
@@ -22,11 +21,7 @@ NEW_TOKENS = 64
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repetitions", type=int, default=5)
-    args = parser.parse_args()
+    repetitions = benchkit.repetitions_from_command_line(__doc__)
 
     directory = benchkit.model_dir()
     prompts = [benchkit.prompt_ids(directory, n, offset=11 * i) for i, n in enumerate(PROMPT_LENGTHS)]
@@ -59,7 +54,7 @@ def main() -> None:
         turns = [("tokenwire", run_tokenwire)] + ([("genai", run_genai)] if genai else [])
         for _, run in turns:
             run()  # warm-up
-        for repetition in range(args.repetitions):
+        for repetition in range(repetitions):
             benchkit.wait_for_quiet()
             for name, run in turns if repetition % 2 == 0 else turns[::-1]:
                 outcome = run()
@@ -92,11 +87,11 @@ def main() -> None:
     rows.append(["reference, measured elsewhere: slot loop", 1.17, 0.29, "-", "-"])
     print(
         f"\n## Mixed workload: prompts {'/'.join(map(str, PROMPT_LENGTHS))} tokens, {NEW_TOKENS} new each, "
-        f"submitted at once, median of {args.repetitions}\n"
+        f"submitted at once, median of {repetitions}\n"
     )
     columns = ["system", "all done s", "first token mean s", "first token last s", "first token per prompt s"]
     print(benchkit.markdown_table(columns, rows))
-    path = benchkit.save_results("mixed_workload", {"repetitions": args.repetitions, "runs": results})
+    path = benchkit.save_results("mixed_workload", {"repetitions": repetitions, "runs": results})
     print(f"\nwrote {path.relative_to(benchkit.REPO)}")
 
 

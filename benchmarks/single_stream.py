@@ -14,7 +14,6 @@ without it those figures are skipped.
 
 from __future__ import annotations
 
-import argparse
 from collections.abc import Callable
 from pathlib import Path
 
@@ -26,11 +25,7 @@ HERE = Path(__file__).resolve().parent
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repetitions", type=int, default=5)
-    args = parser.parse_args()
+    repetitions = benchkit.repetitions_from_command_line(__doc__)
 
     directory = benchkit.model_dir()
     ids = benchkit.prompt_ids(directory)
@@ -82,7 +77,7 @@ def main() -> None:
                 systems.insert(0, ("genai", run_genai))
             for _, run in systems:  # warm-up: first-call allocations and page faults
                 run()
-            for repetition in range(args.repetitions):
+            for repetition in range(repetitions):
                 benchkit.wait_for_quiet()
                 shift = repetition % len(systems)
                 for name, run in systems[shift:] + systems[:shift]:
@@ -91,7 +86,7 @@ def main() -> None:
         if genai is not None:
             genai.close()
 
-    _report(results, prefill, args.repetitions, len(ids))
+    _report(results, prefill, repetitions, len(ids))
 
 
 def _figures(token_times: list[float]) -> dict[str, float]:

@@ -14,7 +14,6 @@ between the two columns is what streaming takes from the model.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import time
 
@@ -79,16 +78,12 @@ async def _compare(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--repetitions", type=int, default=5)
-    args = parser.parse_args()
+    repetitions = benchkit.repetitions_from_command_line(__doc__)
 
     directory = benchkit.model_dir()
     ids = benchkit.prompt_ids(directory)
     with benchkit.ServerProcess(directory, max_batch_size=1) as server:
-        results = asyncio.run(_compare(server, ids, args.repetitions))
+        results = asyncio.run(_compare(server, ids, repetitions))
 
     figures = (
         ("event loop CPU µs/token", "event_loop_us_per_token"),
@@ -102,10 +97,10 @@ def main() -> None:
     ]
     print(
         f"\n## Streamed against unary: one slot, prompt {len(ids)} tokens, {NEW_TOKENS} new tokens, "
-        f"greedy, median of {args.repetitions}\n"
+        f"greedy, median of {repetitions}\n"
     )
     print(benchkit.markdown_table(["figure", "StreamGenerate", "Generate (unary)"], rows))
-    record = {"repetitions": args.repetitions, "runs": results}
+    record = {"repetitions": repetitions, "runs": results}
     path = benchkit.save_results("stream_cost", record)
     print(f"\nwrote {path.relative_to(benchkit.REPO)}")
 
