@@ -15,15 +15,10 @@ import grpc
 from tests.conftest import ServerFactory
 from tests.interop.conftest import require_node_module, require_tool, run_tool
 from tests.reliability.recovery import assert_recovered
+from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
-from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping
-
-
-def greedy(max_new_tokens: int) -> GenerateOptions:
-    return GenerateOptions(
-        sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=max_new_tokens, ignore_eos=True)
-    )
+from tokenwire.client import AsyncClient
 
 
 async def test_node_grpc_js_client_streams_cancels_one_generation_and_half_closes(

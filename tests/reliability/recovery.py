@@ -9,18 +9,11 @@ import asyncio
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from tests.support.options import greedy
 from tests.support.polling import wait_until
-from tokenwire.client import AsyncClient, FinishReason, GenerateOptions, Sampling, Stopping
+from tokenwire.client import AsyncClient, FinishReason
 from tokenwire.server.app import SERVICE_NAME, TokenwireServer
 from tokenwire.server.engine.engine import EngineStats
-
-
-def greedy(max_new_tokens: int, *, timeout: float | None = None) -> GenerateOptions:
-    return GenerateOptions(
-        sampling=Sampling(temperature=0.0),
-        stopping=Stopping(max_new_tokens=max_new_tokens, ignore_eos=True),
-        timeout=timeout,
-    )
 
 
 async def health_status(port: int) -> int:

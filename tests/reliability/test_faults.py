@@ -25,9 +25,10 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from tests.conftest import ServerFactory
-from tests.reliability.recovery import assert_recovered, greedy, health_status
+from tests.reliability.recovery import assert_recovered, health_status
 from tests.reliability.workload import Outcome, build_mix, run_load
 from tests.support.events import Transcript, read_until
+from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import (

@@ -16,28 +16,18 @@ import pytest
 
 from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
+from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import (
     AsyncClient,
     Completed,
     Failed,
-    GenerateOptions,
     Queued,
-    Sampling,
     Started,
-    Stopping,
     TokenwireError,
 )
 from tokenwire.server.app import TokenwireServer
-
-
-def greedy(max_new_tokens: int, timeout: float | None = None) -> GenerateOptions:
-    return GenerateOptions(
-        sampling=Sampling(temperature=0.0),
-        stopping=Stopping(max_new_tokens=max_new_tokens, ignore_eos=True),
-        timeout=timeout,
-    )
 
 
 @pytest.fixture

@@ -12,6 +12,7 @@ import pytest
 
 from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
+from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.runners import DelegatingRunner
 from tests.support.stepping import StepGate, gated
@@ -32,14 +33,6 @@ from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
 MessagesOrPrompt = str | Sequence[ChatMessage] | Sequence[int]
-
-
-def greedy(max_new_tokens: int = 8, **extra: object) -> GenerateOptions:
-    return GenerateOptions(
-        sampling=Sampling(temperature=0.0),
-        stopping=Stopping(max_new_tokens=max_new_tokens, ignore_eos=True),
-        **extra,  # type: ignore[arg-type]
-    )
 
 
 INVALID_REQUESTS: list[tuple[str, MessagesOrPrompt, GenerateOptions, list[str]]] = [
@@ -162,7 +155,7 @@ async def test_messages_without_a_chat_template_are_rejected(
 
 async def test_stream_request_without_request_id_is_rejected(client: AsyncClient) -> None:
     async with client.open_stream() as stream:
-        await stream.submit("", "Hello", greedy())
+        await stream.submit("", "Hello", greedy(8))
         await stream.close_requests()
         events = [e async for e in stream.events()]
     assert len(events) == 1 and isinstance(events[0], Failed)
@@ -241,7 +234,7 @@ async def test_full_queue_is_resource_exhausted_at_once_with_a_retry_hint(
 async def test_requests_are_unavailable_while_draining(server: TokenwireServer, client: AsyncClient) -> None:
     await server.drain(timeout=5)
     with pytest.raises(TokenwireError) as raised:
-        await client.generate("Hi", greedy())
+        await client.generate("Hi", greedy(8))
     assert raised.value.code is grpc.StatusCode.UNAVAILABLE
     assert raised.value.retryable
 

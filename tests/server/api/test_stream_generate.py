@@ -8,6 +8,7 @@ import pytest
 
 from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
+from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import (
@@ -20,17 +21,9 @@ from tokenwire.client import (
     Queued,
     Sampling,
     Started,
-    Stopping,
     StreamEvent,
 )
 from tokenwire.server.app import TokenwireServer
-
-
-def greedy(max_new_tokens: int, **stopping: object) -> GenerateOptions:
-    return GenerateOptions(
-        sampling=Sampling(temperature=0.0),
-        stopping=Stopping(max_new_tokens=max_new_tokens, ignore_eos=True, **stopping),  # type: ignore[arg-type]
-    )
 
 
 @pytest.fixture

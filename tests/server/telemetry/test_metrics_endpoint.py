@@ -9,24 +9,17 @@ import pytest
 
 from tests.conftest import tiny_settings
 from tests.support.events import Transcript, read_until
+from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.prometheus import scrape
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
-from tokenwire.client import AsyncClient, Completed, GenerateOptions, Sampling, Stopping, TokenwireError
+from tokenwire.client import AsyncClient, Completed, GenerateOptions, Sampling, TokenwireError
 from tokenwire.server.config import TelemetrySettings
 
 MODEL = "tiny"
 OK = {"gen_ai_request_model": MODEL, "outcome": "ok"}
 BY_MODEL = {"gen_ai_request_model": MODEL}
-
-
-def greedy(max_new_tokens: int, **extra: object) -> GenerateOptions:
-    return GenerateOptions(
-        sampling=Sampling(temperature=0.0),
-        stopping=Stopping(max_new_tokens=max_new_tokens, ignore_eos=True),
-        **extra,  # type: ignore[arg-type]
-    )
 
 
 def with_metrics(**overrides: object) -> TelemetrySettings:
