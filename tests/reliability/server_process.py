@@ -142,6 +142,17 @@ class ServerProcess:
             reply = _read_line(self._process, REPLY_TIMEOUT)
         return ServerStats(**json.loads(reply))
 
+    async def settled_stats(self, timeout: float) -> ServerStats:
+        """The child's counters once nothing is live or queued, or the last ones read when
+        `timeout` seconds pass first (the caller decides whether a busy server is a failure)."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + timeout
+        while True:
+            stats = await asyncio.to_thread(self.stats)
+            if (stats.live == 0 and stats.queued == 0) or loop.time() > give_up:
+                return stats
+            await asyncio.sleep(0.05)
+
     def rss_bytes(self) -> int:
         return read_rss_bytes(self.pid)
 

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.reliability.server_process import ServerProcess, ServerStats
+from tests.reliability.server_process import ServerProcess
 from tests.reliability.workload import GenerationOutcome, Outcome, build_mix, endless_mix, run_load
 from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
 from tokenwire.server.models.tiny_llama import create_tiny_llama
@@ -141,16 +141,6 @@ def make_model(layout: str, directory: Path) -> Path:
     return create_tiny_llama(directory / "tiny-llama")
 
 
-async def settle(process: ServerProcess, timeout: float = 60.0) -> ServerStats:
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout
-    while True:
-        stats = await asyncio.to_thread(process.stats)
-        if (stats.live == 0 and stats.queued == 0) or loop.time() > give_up:
-            return stats
-        await asyncio.sleep(0.05)
-
-
 async def run_soak(
     model_dir: Path,
     work_dir: Path,
@@ -178,7 +168,7 @@ async def run_soak(
     )
     try:
         await run_load(process.target, build_mix(80, seed=seed + 1), concurrency=concurrency)
-        await settle(process)
+        await process.settled_stats(timeout=60.0)
         report.rss_baseline_mib = process.rss_bytes() / MIB
         report.fds_baseline = process.open_fds()
         counts = dict.fromkeys((o.value for o in Outcome), 0)
@@ -218,7 +208,7 @@ async def run_soak(
             )
         finally:
             sampler.cancel()
-        stats = await settle(process)
+        stats = await process.settled_stats(timeout=60.0)
         report.rss_final_mib = process.rss_bytes() / MIB
         report.fds_final = process.open_fds()
         report.requests = run.requests

@@ -64,15 +64,9 @@ async def server_process(default_model_dir: Path, tmp_path: Path) -> AsyncIterat
 
 async def settled(process: ServerProcess, timeout: float = 30.0) -> ServerStats:
     """The server's counters once nothing is live or queued (fails after `timeout` seconds)."""
-    loop = asyncio.get_running_loop()
-    give_up = loop.time() + timeout
-    while True:
-        stats = await asyncio.to_thread(process.stats)
-        if stats.live == 0 and stats.queued == 0:
-            return stats
-        if loop.time() > give_up:
-            raise AssertionError(f"server still busy {timeout}s after the load: {stats}")
-        await asyncio.sleep(0.05)
+    stats = await process.settled_stats(timeout)
+    assert stats.live == 0 and stats.queued == 0, f"server still busy {timeout}s after the load: {stats}"
+    return stats
 
 
 def describe(run: LoadRun) -> str:
