@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tests.support.serve_process import ServeProcess
 from tokenwire.client import AsyncClient
 from tokenwire.server.app import ModelWrapper, TokenwireServer
 from tokenwire.server.config import ModelSource, ServerSettings
@@ -115,3 +116,14 @@ async def server(start_server: ServerFactory) -> TokenwireServer:
 async def client(server: TokenwireServer) -> AsyncIterator[AsyncClient]:
     async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as connected:
         yield connected
+
+
+@pytest.fixture
+def serve_processes() -> Iterator[list[ServeProcess]]:
+    """Holds the `tokenwire serve` processes a test starts; any still running at the end are killed."""
+    started: list[ServeProcess] = []
+    yield started
+    for served in started:
+        if served.process.poll() is None:
+            served.process.kill()
+            served.process.wait()

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -14,6 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from tests.support.events import Transcript, read_until
+from tests.support.serve_process import ServeProcess, start_serve
 from tokenwire.client import (
     AsyncClient,
     Completed,
@@ -36,46 +35,10 @@ def long_context_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_gpt(tmp_path_factory.mktemp("models") / "long", config)
 
 
-def start_process(model_dir: Path, *extra: str) -> tuple[subprocess.Popen[str], int]:
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire.server.cli",
-            "serve",
-            "--model",
-            str(model_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--device",
-            "cpu",
-            "--intra-op-threads",
-            "1",
-            "--metrics-port",
-            "0",
-            *extra,
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-    )
-    assert process.stdout is not None
-    for line in process.stdout:
-        if "serving on" in line:
-            return process, int(line.rsplit(":", 1)[1])
-    raise AssertionError(f"server exited with {process.wait()} before serving")
-
-
-@pytest.fixture
-def processes() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+def start_process(model_dir: Path, *extra: str, into: list[ServeProcess]) -> ServeProcess:
+    served = start_serve("--model", str(model_dir), "--metrics-port", "0", *extra)
+    into.append(served)
+    return served
 
 
 async def wait_not_serving(port: int) -> None:
@@ -104,10 +67,10 @@ async def start_long_generation(client: AsyncClient) -> tuple[AsyncIterator[obje
 
 
 async def test_sigterm_finishes_live_work_refuses_new_work_and_exits_zero(
-    long_context_model: Path, processes: list[subprocess.Popen[str]]
+    long_context_model: Path, serve_processes: list[ServeProcess]
 ) -> None:
-    process, port = start_process(long_context_model, "--drain-timeout", "60")
-    processes.append(process)
+    served = start_process(long_context_model, "--drain-timeout", "60", into=serve_processes)
+    process, port = served.process, served.port
     async with AsyncClient(f"127.0.0.1:{port}", retries=False) as client:
         events, transcript, _stream = await start_long_generation(client)
         process.send_signal(signal.SIGTERM)
@@ -125,10 +88,10 @@ async def test_sigterm_finishes_live_work_refuses_new_work_and_exits_zero(
 
 
 async def test_drain_timeout_fails_what_is_left_with_unavailable_and_exits_zero(
-    long_context_model: Path, processes: list[subprocess.Popen[str]]
+    long_context_model: Path, serve_processes: list[ServeProcess]
 ) -> None:
-    process, port = start_process(long_context_model, "--drain-timeout", "0.2")
-    processes.append(process)
+    served = start_process(long_context_model, "--drain-timeout", "0.2", into=serve_processes)
+    process, port = served.process, served.port
     async with AsyncClient(f"127.0.0.1:{port}", retries=False) as client:
         events, transcript, _stream = await start_long_generation(client)
         process.send_signal(signal.SIGTERM)
@@ -142,10 +105,10 @@ async def test_drain_timeout_fails_what_is_left_with_unavailable_and_exits_zero(
 
 
 async def test_second_signal_exits_at_once(
-    long_context_model: Path, processes: list[subprocess.Popen[str]]
+    long_context_model: Path, serve_processes: list[ServeProcess]
 ) -> None:
-    process, port = start_process(long_context_model, "--drain-timeout", "60")
-    processes.append(process)
+    served = start_process(long_context_model, "--drain-timeout", "60", into=serve_processes)
+    process, port = served.process, served.port
     async with AsyncClient(f"127.0.0.1:{port}", retries=False) as client:
         events, transcript, _stream = await start_long_generation(client)
         process.send_signal(signal.SIGTERM)

@@ -5,10 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 import urllib.error
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -19,6 +17,7 @@ from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_serv
 
 from tests.support.events import Transcript, read_until
 from tests.support.prometheus import scrape, scrape_now
+from tests.support.serve_process import ServeProcess, start_serve
 from tokenwire.client import AsyncClient, Completed, GenerateOptions, Sampling, Stopping
 from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
 
@@ -80,64 +79,30 @@ def long_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_gpt(tmp_path_factory.mktemp("models") / "long", config)
 
 
-@pytest.fixture
-def process_holder() -> Iterator[list[subprocess.Popen[str]]]:
-    started: list[subprocess.Popen[str]] = []
-    yield started
-    for process in started:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
-
-
-def start_process(model: Path, collector_port: int) -> tuple[subprocess.Popen[str], int, int]:
-    """`tokenwire serve` exporting to the collector; returns it with its gRPC and metrics ports."""
-    process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire.server.cli",
-            "serve",
-            "--model",
-            f"tiny={model}",
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--metrics-port",
-            "0",
-            "--otlp-endpoint",
-            f"http://127.0.0.1:{collector_port}",
-            "--otlp-metrics",
-            "--device",
-            "cpu",
-            "--intra-op-threads",
-            "1",
-            "--drain-timeout",
-            "60",
-        ],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
+def start_process(model: Path, collector_port: int) -> ServeProcess:
+    """`tokenwire serve` exporting to the collector, with a Prometheus endpoint too."""
+    return start_serve(
+        "--model",
+        f"tiny={model}",
+        "--metrics-port",
+        "0",
+        "--otlp-endpoint",
+        f"http://127.0.0.1:{collector_port}",
+        "--otlp-metrics",
+        "--drain-timeout",
+        "60",
     )
-    assert process.stdout is not None
-    metrics_port = 0
-    for line in process.stdout:
-        if "metrics on" in line:
-            metrics_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
-        if "serving on" in line:
-            return process, int(line.rsplit(":", 1)[1]), metrics_port
-    raise AssertionError(f"server exited with {process.wait()} before serving")
 
 
 async def test_drain_keeps_metrics_up_and_flushes_spans_and_metrics_before_exit(
     long_model: Path,
     collector: tuple[Collector, int],
-    process_holder: list[subprocess.Popen[str]],
+    serve_processes: list[ServeProcess],
 ) -> None:
     received, collector_port = collector
-    process, port, metrics_port = start_process(long_model, collector_port)
-    process_holder.append(process)
+    served = start_process(long_model, collector_port)
+    serve_processes.append(served)
+    process, port, metrics_port = served.process, served.port, served.metrics_port
     assert metrics_port, "the process did not announce its metrics endpoint"
 
     transcript = Transcript()

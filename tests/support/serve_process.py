@@ -1,0 +1,48 @@
+"""`tokenwire serve` as a child process, for tests that need real signals and a real exit code."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class ServeProcess:
+    process: subprocess.Popen[str]
+    port: int
+    metrics_port: int
+    """0 when the server exports no Prometheus endpoint."""
+
+
+def start_serve(*flags: str) -> ServeProcess:
+    """Start `tokenwire serve FLAGS...` on a free loopback port (CPU, one thread) and wait until it
+    serves; its stdout is read up to the "serving on" line for the ports."""
+    process = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.server.cli",
+            "serve",
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--device",
+            "cpu",
+            "--intra-op-threads",
+            "1",
+            *flags,
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    assert process.stdout is not None
+    metrics_port = 0
+    for line in process.stdout:
+        if "metrics on" in line:
+            metrics_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
+        if "serving on" in line:
+            return ServeProcess(process, int(line.rsplit(":", 1)[1]), metrics_port)
+    raise AssertionError(f"server exited with {process.wait()} before serving")
