@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2
 from grpc_health.v1._async import HealthServicer
 
 from tokenwire.server.config import HealthSettings
-from tokenwire.server.engine.types import FinishReason, TimingReport
+from tokenwire.server.engine.observer import NullObserver
 from tokenwire.server.lifecycle import ServingPhase
 
 log = logging.getLogger(__name__)
@@ -29,7 +29,7 @@ SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
-class HealthReporter:
+class HealthReporter(NullObserver):
     """Publishes one status for `services`; implements EngineObserver for the queue watermarks."""
 
     def __init__(self, servicer: HealthServicer, services: Sequence[str], settings: HealthSettings) -> None:
@@ -63,7 +63,7 @@ class HealthReporter:
         self._phase = phase
         self._publish()
 
-    # -- EngineObserver -------------------------------------------------------------------------
+    # -- EngineObserver (only occupancy matters to health) ----------------------------------------
 
     def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
         if self._high is None or self._low is None or self._loop is None:
@@ -79,24 +79,6 @@ class HealthReporter:
         # A closed loop means nobody is asking about health any more.
         with contextlib.suppress(RuntimeError):
             self._loop.call_soon_threadsafe(self._set_overloaded, model, over, queued)
-
-    def request_finished(
-        self,
-        *,
-        model: str,
-        outcome: str,
-        finish_reason: FinishReason | None,
-        prompt_tokens: int,
-        completion_tokens: int,
-        timing: TimingReport,
-    ) -> None:
-        return None
-
-    def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
-        return None
-
-    def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
-        return None
 
     # -- event loop -----------------------------------------------------------------------------
 

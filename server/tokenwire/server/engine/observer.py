@@ -33,16 +33,25 @@ class EngineObserver(Protocol):
 
 
 class NullObserver:
-    """Observes nothing."""
+    """Observes nothing; observers that watch only some events override just those."""
 
-    def request_finished(self, **_: object) -> None:
+    def request_finished(
+        self,
+        *,
+        model: str,
+        outcome: str,
+        finish_reason: FinishReason | None,
+        prompt_tokens: int,
+        completion_tokens: int,
+        timing: TimingReport,
+    ) -> None:
         return None
 
-    def decode_step(self, **_: object) -> None:
+    def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
         return None
 
-    def prefill_chunk(self, **_: object) -> None:
+    def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         return None
 
-    def occupancy(self, **_: object) -> None:
+    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
         return None
