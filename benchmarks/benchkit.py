@@ -44,14 +44,25 @@ PASSAGE = (
 )
 
 
-def repetitions_from_command_line(description: str | None, default: int = 5) -> int:
-    """The `--repetitions N` option of a benchmark script whose only option it is."""
+@dataclass(frozen=True)
+class Options:
+    repetitions: int
+    levels: list[int]
+    """Concurrency levels; empty for a script without --levels."""
+
+
+def command_line(description: str | None, *, repetitions: int, levels: str | None = None) -> Options:
+    """The options every benchmark script shares: `--repetitions N`, and `--levels 1,2,...` for
+    those that sweep concurrency (`levels` is then the default)."""
     parser = argparse.ArgumentParser(
         description=description, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--repetitions", type=int, default=default)
-    repetitions: int = parser.parse_args().repetitions
-    return repetitions
+    if levels is not None:
+        parser.add_argument("--levels", default=levels)
+    parser.add_argument("--repetitions", type=int, default=repetitions)
+    args = parser.parse_args()
+    swept = [int(v) for v in args.levels.split(",")] if levels is not None else []
+    return Options(repetitions=args.repetitions, levels=swept)
 
 
 def model_dir() -> Path:

@@ -13,7 +13,6 @@ Runtime: (server process CPU time - raw loop CPU time for the same work) / token
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import time
 from typing import Any
@@ -70,13 +69,8 @@ def pair_ratio(tokenwire: list[dict[str, Any]], raw: list[dict[str, Any]]) -> fl
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--levels", default="1,2,4,8,16")
-    parser.add_argument("--repetitions", type=int, default=3)
-    args = parser.parse_args()
-    levels = [int(v) for v in args.levels.split(",")]
+    args = benchkit.command_line(__doc__, repetitions=3, levels="1,2,4,8,16")
+    levels = args.levels
 
     directory = benchkit.model_dir()
     slots = max(levels)

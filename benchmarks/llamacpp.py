@@ -16,7 +16,6 @@ $TOKENWIRE_BENCH_LLAMA_PYTHON); without it everything here is skipped.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import json
@@ -155,13 +154,8 @@ def _wave_figures(runs: list[list[float]], wall: float) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--levels", default="1,2,4,8,16")
-    parser.add_argument("--repetitions", type=int, default=3)
-    args = parser.parse_args()
-    levels = [int(v) for v in args.levels.split(",")]
+    args = benchkit.command_line(__doc__, repetitions=3, levels="1,2,4,8,16")
+    levels = args.levels
 
     python = benchkit.external_python("TOKENWIRE_BENCH_LLAMA_PYTHON", "llama-venv")
     if (

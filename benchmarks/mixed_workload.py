@@ -21,7 +21,7 @@ NEW_TOKENS = 64
 
 
 def main() -> None:
-    repetitions = benchkit.repetitions_from_command_line(__doc__)
+    repetitions = benchkit.command_line(__doc__, repetitions=5).repetitions
 
     directory = benchkit.model_dir()
     prompts = [benchkit.prompt_ids(directory, n, offset=11 * i) for i, n in enumerate(PROMPT_LENGTHS)]

@@ -78,7 +78,7 @@ async def _compare(
 
 
 def main() -> None:
-    repetitions = benchkit.repetitions_from_command_line(__doc__)
+    repetitions = benchkit.command_line(__doc__, repetitions=5).repetitions
 
     directory = benchkit.model_dir()
     ids = benchkit.prompt_ids(directory)
