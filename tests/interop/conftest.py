@@ -22,13 +22,13 @@ class Finished:
 def require_tool(name: str) -> str:
     found = shutil.which(name)
     if found is None:
-        pytest.skip(f"`{name}` is not on PATH: install Node.js 20+ to run the interop tests")
+        pytest.fail(f"`{name}` is not on PATH: scripts/test installs Node.js and npm")
     return found
 
 
 def require_node_module(module: str) -> None:
     if not (ROOT / "node_modules" / module / "package.json").is_file():
-        pytest.fail(f"node_modules/{module} is missing: run `npm ci` in the repository root first")
+        pytest.fail(f"node_modules/{module} is missing: scripts/test runs `npm ci` first")
 
 
 async def run_tool(*command: str, stdin: str | None = None, timeout: float = 60.0) -> Finished:
