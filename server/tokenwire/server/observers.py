@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from tokenwire.server.engine.observer import EngineObserver
-from tokenwire.server.engine.types import FinishReason, TimingReport
+from tokenwire.server.engine.types import FinishReason, Outcome, TimingReport
 
 
 class ObserverFanOut:
@@ -18,7 +18,7 @@ class ObserverFanOut:
         self,
         *,
         model: str,
-        outcome: str,
+        outcome: Outcome,
         finish_reason: FinishReason | None,
         prompt_tokens: int,
         completion_tokens: int,

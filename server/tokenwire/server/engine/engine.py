@@ -38,6 +38,7 @@ from tokenwire.server.engine.types import (
     GenerationResult,
     RequestTicket,
     Started,
+    TerminalEvent,
     TimingReport,
     TokenLogprobs,
     TokensGenerated,
@@ -298,7 +299,7 @@ class Engine:
         for entry in admitted:
             deadline = entry.request.deadline
             if deadline is not None and now >= deadline:
-                self._fail_unstarted(entry, _deadline_error("in the queue"), now, outcome="deadline")
+                self._finish(entry, _deadline_error("in the queue"), now)
                 continue
             sequence = Sequence(
                 key=entry.key,
@@ -328,7 +329,7 @@ class Engine:
                 log.exception("prefill failed for request %s", sequence.request.request_id)
                 self.stats.step_failures += 1
                 self._prefilling.popleft()
-                self._finish_failed(sequence, _model_error(error), self._clock())
+                self._finish(sequence, _model_error(error), self._clock())
                 continue
             now = self._clock()
             self.stats.prefill_chunks += 1
@@ -356,7 +357,7 @@ class Engine:
             now = self._clock()
             for sequence in rows:
                 del self._decoding[sequence.key]
-                self._finish_failed(sequence, _model_error(error), now)
+                self._finish(sequence, _model_error(error), now)
             return
         now = self._clock()
         self.stats.decode_steps += 1
@@ -378,7 +379,7 @@ class Engine:
             self._emit(sequence.sink, output.event)
             if output.finish is not None:
                 self._decoding.pop(sequence.key, None)
-                self._finish_completed(sequence, output.finish, now)
+                self._finish(sequence, output.finish, now)
 
     def _token_logprobs(self, row: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
         found = token_logprob(row, token, top_n)
@@ -405,7 +406,7 @@ class Engine:
                 if entry is not None:
                     self._inbox.waiting.remove(entry)
             if entry is not None:
-                self._abort_unstarted(entry, reason, now)
+                self._finish_aborted(entry, reason, now)
 
     def _expire_deadlines(self, now: float) -> None:
         expired = [
@@ -417,7 +418,7 @@ class Engine:
             self._decoding.pop(sequence.key, None)
             if sequence in self._prefilling:
                 self._prefilling.remove(sequence)
-            self._finish_failed(sequence, _deadline_error("during generation"), now, outcome="deadline")
+            self._finish(sequence, _deadline_error("during generation"), now)
         with self._lock:
             late = [
                 w for w in self._inbox.waiting if w.request.deadline is not None and now >= w.request.deadline
@@ -425,94 +426,61 @@ class Engine:
             for entry in late:
                 self._inbox.waiting.remove(entry)
         for entry in late:
-            self._fail_unstarted(entry, _deadline_error("in the queue"), now, outcome="deadline")
+            self._finish(entry, _deadline_error("in the queue"), now)
 
     # -- finishing -------------------------------------------------------------------------------
 
-    def _finish_completed(self, sequence: Sequence, finish: FinishReason, now: float) -> None:
-        result = sequence.result(finish, now)
-        self._emit(sequence.sink, Completed(result))
-        outcome = "cancelled" if finish is FinishReason.CANCELLED else "ok"
-        self._retire(sequence, now, outcome=outcome, finish=finish)
+    def _finish(self, live: Sequence | _Waiting, end: FinishReason | GenerationError, now: float) -> None:
+        """The one way a request leaves the engine: a result or a failure, started or not.
 
-    def _finish_failed(
-        self, sequence: Sequence, error: GenerationError, now: float, *, outcome: str = "error"
-    ) -> None:
-        self._emit(sequence.sink, Failed(error, completion_tokens=len(sequence.output_ids)))
-        self._retire(sequence, now, outcome=outcome, finish=None)
-
-    def _finish_aborted(self, sequence: Sequence, reason: AbortReason, now: float) -> None:
-        if reason is AbortReason.CANCELLED or reason is AbortReason.DISCONNECTED:
-            # Text held back (an incomplete character, a possible stop-string prefix) is real
-            # output that will now never complete: hand it over before the summary.
-            remainder = sequence.flush_text()
-            if remainder:
-                self._emit(sequence.sink, TokensGenerated((), remainder))
-            self._finish_completed(sequence, FinishReason.CANCELLED, now)
-        elif reason is AbortReason.DEADLINE:
-            self._finish_failed(sequence, _deadline_error("during generation"), now, outcome="deadline")
+        Emits its terminal event (with timing), frees its slot, counts it and tells the observer.
+        """
+        if isinstance(live, Sequence):
+            if end is FinishReason.CANCELLED:
+                # Text held back (an incomplete character, a possible stop-string prefix) is real
+                # output that will now never complete: hand it over before the summary.
+                remainder = live.flush_text()
+                if remainder:
+                    self._emit(live.sink, TokensGenerated((), remainder))
+            self._runner.release(live.key)
+            self._service_seconds = 0.8 * self._service_seconds + 0.2 * max(0.0, now - live.started_at)
+            timing = live.timing(now)
+            completion_tokens = len(live.output_ids)
         else:
-            self._finish_failed(sequence, _shutdown_error(), now, outcome="unavailable")
-
-    def _retire(self, sequence: Sequence, now: float, *, outcome: str, finish: FinishReason | None) -> None:
-        self._runner.release(sequence.key)
-        self.stats.finished += 1
-        abort_step = self._abort_step.pop(sequence.key, None)
-        if abort_step is not None:
-            self.stats.aborted += 1
-            latency = self.stats.decode_steps - abort_step
-            self.stats.max_abort_latency_steps = max(self.stats.max_abort_latency_steps, latency)
-            self.stats.orphaned_steps += max(0, latency - 1)
-        self._service_seconds = 0.8 * self._service_seconds + 0.2 * max(0.0, now - sequence.started_at)
-        self._observer.request_finished(
-            model=self._model,
-            outcome=outcome,
-            finish_reason=finish,
-            prompt_tokens=len(sequence.prompt_ids),
-            completion_tokens=len(sequence.output_ids),
-            timing=sequence.timing(now),
-        )
-        self._forget(sequence.key)
-
-    def _abort_unstarted(self, entry: _Waiting, reason: AbortReason, now: float) -> None:
-        # It never ran a step, so its abort took effect with no step at all.
-        if self._abort_step.pop(entry.key, None) is not None:
-            self.stats.aborted += 1
-        if reason is AbortReason.CANCELLED or reason is AbortReason.DISCONNECTED:
-            result = GenerationResult(
-                request_id=entry.request.request_id,
-                model=entry.request.model,
-                text="",
-                token_ids=(),
-                finish_reason=FinishReason.CANCELLED,
-                prompt_tokens=len(entry.request.prompt_ids),
-                timing=_unstarted_timing(entry, now),
+            timing = _unstarted_timing(live, now)
+            completion_tokens = 0
+        event: TerminalEvent
+        if isinstance(end, FinishReason):
+            if isinstance(live, Sequence):
+                result = live.result(end, now)
+            else:
+                result = _unstarted_result(live, end, timing)
+            event = Completed(result)
+        else:
+            event = Failed(
+                end, timing, completion_tokens=completion_tokens, prompt_tokens=len(live.request.prompt_ids)
             )
-            self._emit(entry.sink, Completed(result))
-            self._report_unstarted(entry, now, "cancelled", FinishReason.CANCELLED)
-        elif reason is AbortReason.DEADLINE:
-            self._fail_unstarted(entry, _deadline_error("in the queue"), now, outcome="deadline")
-        else:
-            self._fail_unstarted(entry, _shutdown_error(), now, outcome="unavailable")
-
-    def _fail_unstarted(self, entry: _Waiting, error: GenerationError, now: float, *, outcome: str) -> None:
-        self._emit(entry.sink, Failed(error))
-        self._report_unstarted(entry, now, outcome, None)
-
-    def _report_unstarted(
-        self, entry: _Waiting, now: float, outcome: str, finish: FinishReason | None
-    ) -> None:
+        self._emit(live.sink, event)
         self.stats.finished += 1
-        timing = _unstarted_timing(entry, now)
         self._observer.request_finished(
             model=self._model,
-            outcome=outcome,
-            finish_reason=finish,
-            prompt_tokens=len(entry.request.prompt_ids),
-            completion_tokens=0,
+            outcome=event.outcome,
+            finish_reason=end if isinstance(end, FinishReason) else None,
+            prompt_tokens=len(live.request.prompt_ids),
+            completion_tokens=completion_tokens,
             timing=timing,
         )
-        self._forget(entry.key)
+        self._forget(live.key)
+
+    def _finish_aborted(self, live: Sequence | _Waiting, reason: AbortReason, now: float) -> None:
+        abort_step = self._abort_step.pop(live.key, None)
+        if abort_step is not None:
+            self.stats.aborted += 1
+            if isinstance(live, Sequence):
+                latency = self.stats.decode_steps - abort_step
+                self.stats.max_abort_latency_steps = max(self.stats.max_abort_latency_steps, latency)
+                self.stats.orphaned_steps += max(0, latency - 1)
+        self._finish(live, _abort_ending(reason, started=isinstance(live, Sequence)), now)
 
     def _forget(self, key: int) -> None:
         with self._lock:
@@ -521,16 +489,18 @@ class Engine:
             self._abort_step.pop(key, None)
 
     def _fail_everything(self, error: GenerationError) -> None:
-        for sequence in [*self._prefilling, *self._decoding.values()]:
-            self._emit(sequence.sink, Failed(error, completion_tokens=len(sequence.output_ids)))
-            self._forget(sequence.key)
         with self._lock:
             waiting = list(self._inbox.waiting)
             self._inbox.waiting.clear()
             self._accepting = False
-        for entry in waiting:
-            self._emit(entry.sink, Failed(error))
-            self._forget(entry.key)
+        now = self._clock()
+        everything: list[Sequence | _Waiting] = [*self._prefilling, *self._decoding.values(), *waiting]
+        for live in everything:
+            try:
+                self._finish(live, error, now)
+            except Exception:  # a broken runner must not keep the others from hearing
+                log.exception("failing request %s", live.request.request_id)
+                self._forget(live.key)
         self._prefilling.clear()
         self._decoding.clear()
         self._flush()
@@ -568,6 +538,27 @@ class Engine:
                 log.exception("event sink failed")
         if self._idle is not None and idle and self.live_count == 0:
             self._idle.set()
+
+
+def _abort_ending(reason: AbortReason, *, started: bool) -> FinishReason | GenerationError:
+    """How an abort ends a request: cancelled (a result), or failed with the reason's error."""
+    if reason is AbortReason.CANCELLED or reason is AbortReason.DISCONNECTED:
+        return FinishReason.CANCELLED
+    if reason is AbortReason.DEADLINE:
+        return _deadline_error("during generation" if started else "in the queue")
+    return _shutdown_error()
+
+
+def _unstarted_result(entry: _Waiting, finish: FinishReason, timing: TimingReport) -> GenerationResult:
+    return GenerationResult(
+        request_id=entry.request.request_id,
+        model=entry.request.model,
+        text="",
+        token_ids=(),
+        finish_reason=finish,
+        prompt_tokens=len(entry.request.prompt_ids),
+        timing=timing,
+    )
 
 
 def _unstarted_timing(entry: _Waiting, now: float) -> TimingReport:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from tokenwire.server.engine.types import FinishReason, TimingReport
+from tokenwire.server.engine.types import FinishReason, Outcome, TimingReport
 
 
 class EngineObserver(Protocol):
@@ -14,13 +14,13 @@ class EngineObserver(Protocol):
         self,
         *,
         model: str,
-        outcome: str,
+        outcome: Outcome,
         finish_reason: FinishReason | None,
         prompt_tokens: int,
         completion_tokens: int,
         timing: TimingReport,
     ) -> None:
-        """A request left the engine. `outcome` is ok, cancelled, deadline, unavailable or error."""
+        """A request left the engine: ok, cancelled, deadline, unavailable or error."""
 
     def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
         """One batched decode step ran."""
@@ -39,7 +39,7 @@ class NullObserver:
         self,
         *,
         model: str,
-        outcome: str,
+        outcome: Outcome,
         finish_reason: FinishReason | None,
         prompt_tokens: int,
         completion_tokens: int,

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from enum import Enum
 
-from tokenwire.server.engine.errors import GenerationError
+from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.sampling.params import SamplingParams
 
 
@@ -15,6 +15,49 @@ class FinishReason(Enum):
     EOS = "eos"
     STOP = "stop"
     CANCELLED = "cancelled"
+
+
+class Outcome(Enum):
+    """How a request ended: the one list of values metrics, traces and the access log label it with."""
+
+    OK = "ok"
+    CANCELLED = "cancelled"
+    DEADLINE = "deadline"
+    UNAVAILABLE = "unavailable"
+    ERROR = "error"
+    REJECTED = "rejected"
+    """Refused at admission: the queue was full or the server was not taking work."""
+    INVALID = "invalid"
+    """Refused at admission: the request named no model it could be served by, or broke a bound."""
+    UNAUTHENTICATED = "unauthenticated"
+
+    @classmethod
+    def of_finish(cls, finish: FinishReason) -> Outcome:
+        return cls.CANCELLED if finish is FinishReason.CANCELLED else cls.OK
+
+    @classmethod
+    def of_failure(cls, error: GenerationError) -> Outcome:
+        """The outcome of a request the engine accepted and then failed."""
+        return _FAILURE_OUTCOMES.get(error.kind, cls.ERROR)
+
+    @classmethod
+    def of_refusal(cls, error: GenerationError) -> Outcome:
+        """The outcome of a request refused before the engine accepted it."""
+        return _REFUSAL_OUTCOMES.get(error.kind, cls.ERROR)
+
+
+_FAILURE_OUTCOMES = {
+    ErrorKind.DEADLINE_EXCEEDED: Outcome.DEADLINE,
+    ErrorKind.UNAVAILABLE: Outcome.UNAVAILABLE,
+}
+_REFUSAL_OUTCOMES = {
+    ErrorKind.INVALID_ARGUMENT: Outcome.INVALID,
+    ErrorKind.NOT_FOUND: Outcome.INVALID,
+    ErrorKind.RESOURCE_EXHAUSTED: Outcome.REJECTED,
+    ErrorKind.UNAVAILABLE: Outcome.REJECTED,
+    ErrorKind.UNAUTHENTICATED: Outcome.UNAUTHENTICATED,
+    ErrorKind.DEADLINE_EXCEEDED: Outcome.DEADLINE,
+}
 
 
 class AbortReason(Enum):
@@ -109,14 +152,31 @@ class TokensGenerated:
 class Completed:
     result: GenerationResult
 
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome.of_finish(self.result.finish_reason)
+
+    @property
+    def timing(self) -> TimingReport:
+        return self.result.timing
+
 
 @dataclass(frozen=True)
 class Failed:
     error: GenerationError
+    timing: TimingReport
+    """How long the request lived, queued and (if it started) running, before it failed."""
     completion_tokens: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def outcome(self) -> Outcome:
+        return Outcome.of_failure(self.error)
 
 
 EngineEvent = Started | TokensGenerated | Completed | Failed
+TerminalEvent = Completed | Failed
+"""The last event of every request: each carries its outcome and timing."""
 EventSink = Callable[[EngineEvent], None]
 """Receives a request's events, on the event loop the engine was started with."""
 

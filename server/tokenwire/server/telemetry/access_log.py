@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+from tokenwire.server.engine.types import Outcome
 from tokenwire.server.telemetry.logs import FIELDS_ATTRIBUTE
 from tokenwire.server.telemetry.summary import RequestSummary
 
@@ -30,7 +31,7 @@ class AccessLog:
             "method": summary.method,
             "request_id": summary.request_id,
             "model": summary.model,
-            "outcome": summary.outcome,
+            "outcome": summary.outcome.value,
             "code": summary.error_code or "OK",
             "reason": summary.error_reason,
             "finish_reason": summary.finish_reason,
@@ -43,8 +44,10 @@ class AccessLog:
             "total_ms": _ms(stages.total),
             "trace_id": trace_id,
         }
-        level = logging.WARNING if summary.outcome == "error" else logging.INFO
-        self._logger.log(level, "%s %s", summary.method, summary.outcome, extra={FIELDS_ATTRIBUTE: fields})
+        level = logging.WARNING if summary.outcome is Outcome.ERROR else logging.INFO
+        self._logger.log(
+            level, "%s %s", summary.method, summary.outcome.value, extra={FIELDS_ATTRIBUTE: fields}
+        )
 
 
 def _ms(seconds: float | None) -> float | None:

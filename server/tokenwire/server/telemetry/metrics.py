@@ -16,7 +16,7 @@ from typing import Protocol
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
-from tokenwire.server.engine.types import FinishReason, TimingReport
+from tokenwire.server.engine.types import FinishReason, Outcome, TimingReport
 
 REQUEST_DURATION = "gen_ai.server.request.duration"
 TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
@@ -34,7 +34,7 @@ KV_CACHE_USAGE = "tokenwire.engine.kv_cache.usage"
 MODEL = "gen_ai.request.model"
 OUTCOME = "outcome"
 
-OUTCOMES = ("ok", "cancelled", "deadline", "rejected", "invalid", "unauthenticated", "unavailable", "error")
+OUTCOMES = tuple(outcome.value for outcome in Outcome)
 """Every value of the outcome attribute: the engine's five plus the refusals of the API edge."""
 
 # Bucket boundaries in seconds, from the GenAI semantic conventions' advice for these metrics.
@@ -153,14 +153,14 @@ class ServerMetrics:
         self,
         *,
         model: str,
-        outcome: str,
+        outcome: Outcome,
         finish_reason: FinishReason | None,
         prompt_tokens: int,
         completion_tokens: int,
         timing: TimingReport,
     ) -> None:
         by_model = {MODEL: model}
-        by_outcome = {MODEL: model, OUTCOME: outcome}
+        by_outcome = {MODEL: model, OUTCOME: outcome.value}
         self._requests.add(1, by_outcome)
         self._request_duration.record(timing.total, by_outcome)
         self._queue_duration.record(timing.queued, by_model)
@@ -185,9 +185,9 @@ class ServerMetrics:
 
     # -- API edge (event loop) ------------------------------------------------------------------
 
-    def request_refused(self, *, model: str, outcome: str) -> None:
+    def request_refused(self, *, model: str, outcome: Outcome) -> None:
         """A request that never reached the engine: rejected, invalid or unauthenticated."""
-        self._requests.add(1, {MODEL: model, OUTCOME: outcome})
+        self._requests.add(1, {MODEL: model, OUTCOME: outcome.value})
 
     # -- gauges (collector thread) --------------------------------------------------------------
 

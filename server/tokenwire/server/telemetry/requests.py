@@ -4,7 +4,7 @@ The edge knows what the engine's observer cannot: the request id, the caller's t
 and requests refused before they reached the engine. When a request ends its record emits the
 span (when tracing is on), the access-log line, and, for a refusal, the outcome count that the
 engine's observer never sees. The record takes the request's events as they are delivered; it
-only looks at Started, the first token and the final event, and records nothing per token.
+only looks at the final event, which carries the outcome and timing, and records nothing per token.
 """
 
 from __future__ import annotations
@@ -13,16 +13,8 @@ import logging
 import time
 from collections.abc import Callable
 
-from tokenwire.server.engine.errors import ErrorKind, GenerationError
-from tokenwire.server.engine.types import (
-    Completed,
-    EngineEvent,
-    Failed,
-    FinishReason,
-    GenerationResult,
-    Started,
-    TokensGenerated,
-)
+from tokenwire.server.engine.errors import GenerationError
+from tokenwire.server.engine.types import Completed, EngineEvent, Failed, Outcome
 from tokenwire.server.engine.validation import RequestSpec
 from tokenwire.server.telemetry.access_log import AccessLog
 from tokenwire.server.telemetry.metrics import ServerMetrics
@@ -30,23 +22,6 @@ from tokenwire.server.telemetry.summary import RequestParameters, RequestSummary
 from tokenwire.server.telemetry.tracing import Metadata, RequestTracer, caller_context, trace_id_of
 
 log = logging.getLogger(__name__)
-
-_REFUSAL_OUTCOMES = {
-    ErrorKind.INVALID_ARGUMENT: "invalid",
-    ErrorKind.NOT_FOUND: "invalid",
-    ErrorKind.RESOURCE_EXHAUSTED: "rejected",
-    ErrorKind.UNAVAILABLE: "rejected",
-    ErrorKind.UNAUTHENTICATED: "unauthenticated",
-    ErrorKind.DEADLINE_EXCEEDED: "deadline",
-    ErrorKind.INTERNAL: "error",
-}
-"""Outcomes of requests refused at the edge, before the engine accepted them."""
-
-_FAILURE_OUTCOMES = {
-    ErrorKind.DEADLINE_EXCEEDED: "deadline",
-    ErrorKind.UNAVAILABLE: "unavailable",
-}
-"""Outcomes of requests the engine accepted and then failed (the engine observer's names)."""
 
 
 class RequestTelemetry:
@@ -86,9 +61,6 @@ class RequestRecord:
         self._request_id = ""
         self._model = ""
         self._parameters: RequestParameters | None = None
-        self._queued: float | None = None
-        self._prompt_tokens = 0
-        self._first_token: float | None = None
         self._ended = not owner.enabled
 
     def describe(self, spec: RequestSpec) -> None:
@@ -110,22 +82,16 @@ class RequestRecord:
         """Take one of the request's engine events (called by its event sink)."""
         if self._ended:
             return
-        if isinstance(event, TokensGenerated):
-            if self._first_token is None and event.token_ids:
-                self._first_token = self._owner.clock() - self._received
-        elif isinstance(event, Started):
-            self._queued = event.queued_seconds
-            self._prompt_tokens = event.prompt_tokens
-        elif isinstance(event, Completed):
-            self._emit(self._completed(event.result))
+        if isinstance(event, Completed):
+            self._emit(self._completed(event))
         elif isinstance(event, Failed):
-            self._emit(self._failed(event.error, event.completion_tokens))
+            self._emit(self._failed(event))
 
     def refused(self, error: GenerationError) -> None:
         """The request was refused before the engine accepted it."""
         if self._ended:
             return
-        outcome = _REFUSAL_OUTCOMES.get(error.kind, "error")
+        outcome = Outcome.of_refusal(error)
         if self._owner.metrics is not None:
             self._owner.metrics.request_refused(model=self._model, outcome=outcome)
         self._emit(
@@ -142,42 +108,31 @@ class RequestRecord:
             )
         )
 
-    def _completed(self, result: GenerationResult) -> RequestSummary:
-        timing = result.timing
+    def _completed(self, event: Completed) -> RequestSummary:
+        result = event.result
         return RequestSummary(
             method=self._method,
             request_id=result.request_id,
             model=result.model,
-            outcome="cancelled" if result.finish_reason is FinishReason.CANCELLED else "ok",
-            stages=Stages(
-                total=timing.total,
-                queued=timing.queued,
-                first_token=timing.time_to_first_token,
-                time_per_output_token=timing.time_per_output_token,
-            ),
+            outcome=event.outcome,
+            stages=_stages(event),
             parameters=self._parameters,
             finish_reason=result.finish_reason.value,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
         )
 
-    def _failed(self, error: GenerationError, completion_tokens: int) -> RequestSummary:
-        # The engine reports no timing with a failure: the stages are the edge's own view, and a
-        # request that never started spent its whole life in the queue.
-        total = self._owner.clock() - self._received
+    def _failed(self, event: Failed) -> RequestSummary:
+        error = event.error
         return RequestSummary(
             method=self._method,
             request_id=self._request_id,
             model=self._model,
-            outcome=_FAILURE_OUTCOMES.get(error.kind, "error"),
-            stages=Stages(
-                total=total,
-                queued=total if self._queued is None else self._queued,
-                first_token=self._first_token,
-            ),
+            outcome=event.outcome,
+            stages=_stages(event),
             parameters=self._parameters,
-            prompt_tokens=self._prompt_tokens,
-            completion_tokens=completion_tokens,
+            prompt_tokens=event.prompt_tokens,
+            completion_tokens=event.completion_tokens,
             error_code=error.kind.name,
             error_reason=error.reason,
             error_message=error.message,
@@ -203,3 +158,13 @@ class RequestRecord:
         except Exception:  # telemetry must never break the request it describes
             log.exception("recording telemetry for request %r failed", summary.request_id)
         self._metadata = None  # holds the caller's credentials: keep them no longer than needed
+
+
+def _stages(event: Completed | Failed) -> Stages:
+    timing = event.timing
+    return Stages(
+        total=timing.total,
+        queued=timing.queued,
+        first_token=timing.time_to_first_token,
+        time_per_output_token=timing.time_per_output_token,
+    )

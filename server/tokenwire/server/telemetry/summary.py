@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenwire.server.engine.types import Outcome
+
 
 @dataclass(frozen=True)
 class RequestParameters:
@@ -37,7 +39,7 @@ class RequestSummary:
     request_id: str
     model: str
     """The served model's name, or "" when the request never resolved to one."""
-    outcome: str
+    outcome: Outcome
     """ok, cancelled, deadline, rejected, invalid, unauthenticated, unavailable or error."""
     stages: Stages
     parameters: RequestParameters | None = None

@@ -16,6 +16,7 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 from opentelemetry.util.types import AttributeValue
 
+from tokenwire.server.engine.types import Outcome
 from tokenwire.server.telemetry.summary import RequestSummary
 
 RPC_SERVICE = "tokenwire.v1.InferenceService"
@@ -24,7 +25,7 @@ Metadata = Sequence[tuple[str, str | bytes]]
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_HEADERS = frozenset(_PROPAGATOR.fields)
-_HEALTHY_OUTCOMES = frozenset({"ok", "cancelled"})
+_HEALTHY_OUTCOMES = frozenset({Outcome.OK, Outcome.CANCELLED})
 
 
 def caller_context(metadata: Metadata | None) -> Context | None:
@@ -94,7 +95,7 @@ def _attributes(summary: RequestSummary) -> dict[str, AttributeValue]:
         "rpc.system": "grpc",
         "rpc.service": RPC_SERVICE,
         "rpc.method": summary.method,
-        "tokenwire.outcome": summary.outcome,
+        "tokenwire.outcome": summary.outcome.value,
     }
     if summary.request_id:
         attributes["tokenwire.request_id"] = summary.request_id
