@@ -1,9 +1,13 @@
-"""Typed server settings.
+"""Typed server settings, each declared once.
 
 These are the settings of one server as a library object. `tokenwire serve` fills them from
 flags, TOKENWIRE_* variables and a TOML file (settings_sources.py); where the two defaults
 differ (the metrics endpoint), the library default is the one that opens nothing extra, so an
 embedding application or a test does not bind ports it did not ask for.
+
+To add a setting, add one field made with `setting(default, help, ...)` to the dataclass it
+belongs to (settings_schema.py says how): its flag, TOKENWIRE_* variable, TOML key, help line
+and bounds derive from that field. Only a rule between settings needs a line in `validate`.
 """
 
 from __future__ import annotations
@@ -15,11 +19,32 @@ from typing import Literal
 
 from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.models.session import Device
+from tokenwire.server.settings_schema import (
+    ENGINE,
+    HEALTH,
+    NETWORK,
+    SECURITY,
+    TELEMETRY,
+    bound_problems,
+    declared_settings,
+    setting,
+    settings_group,
+)
 
 DEFAULT_PORT = 50051
 DEFAULT_METRICS_PORT = 9464
 
 LogFormat = Literal["text", "json"]
+
+
+def _port_problem(port: int) -> str | None:
+    return None if 0 <= port <= 65535 else f"{port} is not a TCP port"
+
+
+def _log_level_problem(level: str) -> str | None:
+    if isinstance(logging.getLevelName(level.upper()), int):
+        return None
+    return f"{level!r} is not DEBUG, INFO, WARNING or ERROR"
 
 
 @dataclass(frozen=True)
@@ -33,41 +58,67 @@ class ModelSource:
 class KeepaliveSettings:
     """HTTP/2 keepalive: the server's own pings, and how often clients may ping it."""
 
-    time: float = 60.0
-    """Seconds between the server's pings on a connection with live calls (finds dead peers)."""
-    timeout: float = 20.0
-    """Seconds to wait for a ping's answer before closing the connection."""
-    min_ping_interval: float = 10.0
-    """Clients may ping at most this often (seconds); faster pings earn strikes."""
-    max_ping_strikes: int = 2
-    """Pings that come too fast before the connection is closed with GOAWAY (too_many_pings)."""
-    permit_without_calls: bool = True
-    """Accept (and send) keepalive pings on connections with no live call."""
+    time: float = setting(60.0, "seconds between the server's keepalive pings, to find dead clients", above=0)
+    timeout: float = setting(
+        20.0, "seconds a keepalive ping may go unanswered before the connection is closed", above=0
+    )
+    min_ping_interval: float = setting(
+        10.0, "seconds clients must leave between their pings; faster pings earn strikes", minimum=0
+    )
+    max_ping_strikes: int = setting(
+        2, "too-fast pings before the connection is closed with GOAWAY too_many_pings (0: never)", minimum=0
+    )
+    permit_without_calls: bool = setting(True, "accept keepalive pings on connections without live calls")
 
 
 @dataclass(frozen=True)
 class TelemetrySettings:
-    metrics_port: int | None = None
-    """Port of the Prometheus /metrics endpoint; None: no endpoint; 0 picks a free port."""
-    metrics_host: str | None = None
-    """Address the metrics endpoint listens on; None: the gRPC host."""
-    otlp_endpoint: str | None = None
-    """OTLP/gRPC collector (http://host:4317 for plaintext); None: no traces are built at all."""
-    otlp_metrics: bool = False
-    """Also push metrics to the OTLP endpoint."""
-    service_name: str = "tokenwire"
-    access_log: bool = True
-    """One log line per request, with its outcome and timings."""
-    log_level: str = "INFO"
-    log_format: LogFormat = "text"
+    metrics_port: int | None = setting(
+        None,
+        "port of the metrics endpoint, path /metrics (0 picks one)",
+        check=_port_problem,
+        metavar="PORT",
+        command_default=DEFAULT_METRICS_PORT,
+        switch=("metrics", "serve Prometheus metrics over HTTP"),
+    )
+    """None: no endpoint (the library's default; `tokenwire serve` serves one)."""
+    metrics_host: str | None = setting(
+        None, "address of the metrics endpoint (default: --host)", metavar="ADDRESS"
+    )
+    otlp_endpoint: str | None = setting(
+        None,
+        "OTLP/gRPC collector for request spans, e.g. http://localhost:4317 "
+        "(unset: no spans are built); OTEL_EXPORTER_OTLP_* variables add headers and certificates",
+        metavar="URL",
+    )
+    otlp_metrics: bool = setting(
+        False, "also push metrics to --otlp-endpoint (every 60 s, or OTEL_METRIC_EXPORT_INTERVAL ms)"
+    )
+    service_name: str = setting(
+        "tokenwire",
+        "service.name of the OpenTelemetry resource",
+        check=lambda name: None if name else "must not be empty",
+        metavar="NAME",
+    )
+    log_level: str = setting(
+        "INFO", "logging level: DEBUG, INFO, WARNING, ERROR", check=_log_level_problem, metavar="LEVEL"
+    )
+    log_format: LogFormat = setting("text", "text, or json: one JSON object per line")
+    access_log: bool = setting(
+        True, "one log line per request (logger tokenwire.access) with its outcome and timings"
+    )
 
 
 @dataclass(frozen=True)
 class AuthSettings:
     tokens: tuple[str, ...] = field(default=(), repr=False)
-    """Accepted bearer tokens; empty: authentication is off. Never shown in a repr or a log."""
-    protect_health: bool = False
-    """Require a token for grpc.health.v1 too (load balancers usually probe without one)."""
+    """Accepted bearer tokens; empty: authentication is off. Never shown in a repr or a log.
+    Not a setting of the usual kind: see settings_sources.py."""
+    protect_health: bool = setting(
+        False,
+        "require the bearer token for grpc.health.v1 too (off: load balancers probe without one)",
+        key="auth_health",
+    )
 
     @property
     def enabled(self) -> bool:
@@ -76,12 +127,11 @@ class AuthSettings:
 
 @dataclass(frozen=True)
 class TlsSettings:
-    cert: Path | None = None
-    """Server certificate chain (PEM)."""
-    key: Path | None = None
-    """Server private key (PEM)."""
-    client_ca: Path | None = None
-    """CA (PEM) that client certificates must chain to; set: mutual TLS is required."""
+    cert: Path | None = setting(None, "server certificate chain (PEM); with --tls-key enables TLS")
+    key: Path | None = setting(None, "server private key (PEM)")
+    client_ca: Path | None = setting(
+        None, "CA certificate (PEM) client certificates must chain to; enables mutual TLS"
+    )
 
     @property
     def enabled(self) -> bool:
@@ -90,10 +140,15 @@ class TlsSettings:
 
 @dataclass(frozen=True)
 class HealthSettings:
-    queue_high_watermark: int | None = None
-    """Report NOT_SERVING once a model's queue holds this many requests; None: never for load."""
-    queue_low_watermark: int | None = None
-    """Report SERVING again once every queue is down to this; None: half the high watermark."""
+    queue_high_watermark: int | None = setting(
+        None,
+        "report NOT_SERVING on grpc.health.v1 once a model's "
+        "queue holds this many requests (unset: never for load)",
+    )
+    queue_low_watermark: int | None = setting(
+        None,
+        "report SERVING again once every queue is down to this many (default: half the high watermark)",
+    )
 
     @property
     def low_watermark(self) -> int | None:
@@ -107,64 +162,66 @@ class HealthSettings:
 @dataclass(frozen=True)
 class ServerSettings:
     models: tuple[ModelSource, ...] = ()
-    host: str = "0.0.0.0"
-    port: int = DEFAULT_PORT
-    max_batch_size: int = 8
-    max_queue_size: int = 64
-    prefill_chunk_size: int = 256
-    max_context_length: int = 2048
-    device: Device = "auto"
-    intra_op_threads: int = 0
-    drain_timeout: float = 30.0
-    max_receive_message_bytes: int = 4 * 1024 * 1024
-    max_concurrent_streams: int = 256
-    """HTTP/2 streams (calls) one connection may have open; further calls wait in the client."""
-    reflection: bool = True
-    limits: RequestLimits = field(default_factory=RequestLimits)
-    keepalive: KeepaliveSettings = field(default_factory=KeepaliveSettings)
-    telemetry: TelemetrySettings = field(default_factory=TelemetrySettings)
-    auth: AuthSettings = field(default_factory=AuthSettings)
-    tls: TlsSettings = field(default_factory=TlsSettings)
-    health: HealthSettings = field(default_factory=HealthSettings)
+    """Not a setting of the usual kind (NAME=DIR, repeatable): see settings_sources.py."""
+    device: Device = setting(
+        "auto", "where the model runs; auto picks CUDA when ONNX Runtime has it", group=ENGINE
+    )
+    max_batch_size: int = setting(
+        8, "most sequences decoded together; sizes the KV cache", group=ENGINE, minimum=1
+    )
+    max_queue_size: int = setting(
+        64, "most requests waiting for a slot; beyond it RESOURCE_EXHAUSTED", group=ENGINE, minimum=0
+    )
+    max_context_length: int = setting(
+        2048, "longest sequence (prompt + output) served; sizes the KV cache", group=ENGINE, minimum=1
+    )
+    prefill_chunk_size: int = setting(
+        256, "prompt tokens per model call, so long prompts do not stall streams", group=ENGINE, minimum=1
+    )
+    intra_op_threads: int = setting(
+        0, "ONNX Runtime threads per operator (0: one per core)", group=ENGINE, minimum=0
+    )
+    limits: RequestLimits = settings_group(RequestLimits, group=ENGINE)
+    host: str = setting("0.0.0.0", "address to listen on", group=NETWORK, metavar="ADDRESS")
+    port: int = setting(
+        DEFAULT_PORT, "gRPC port (0 picks one)", group=NETWORK, check=_port_problem, metavar="PORT"
+    )
+    drain_timeout: float = setting(
+        30.0,
+        "seconds live requests get to finish after SIGTERM; then they fail with UNAVAILABLE",
+        group=NETWORK,
+        minimum=0,
+    )
+    max_receive_message_bytes: int = setting(
+        4 * 1024 * 1024,
+        "largest request message; larger is RESOURCE_EXHAUSTED",
+        group=NETWORK,
+        minimum=1,
+        metavar="BYTES",
+    )
+    max_concurrent_streams: int = setting(
+        256,
+        "calls one connection may have open at once (HTTP/2 streams); further calls wait in the client",
+        group=NETWORK,
+        minimum=1,
+    )
+    keepalive: KeepaliveSettings = settings_group(KeepaliveSettings, group=NETWORK, prefix="keepalive_")
+    reflection: bool = setting(
+        True,
+        "offer gRPC server reflection (grpcurl, buf curl); behind the bearer token when authentication is on",
+        group=NETWORK,
+    )
+    auth: AuthSettings = settings_group(AuthSettings, group=SECURITY)
+    tls: TlsSettings = settings_group(TlsSettings, group=SECURITY, prefix="tls_")
+    telemetry: TelemetrySettings = settings_group(TelemetrySettings, group=TELEMETRY)
+    health: HealthSettings = settings_group(HealthSettings, group=HEALTH, prefix="health_")
 
     def validate(self, *, require_models: bool = True) -> list[str]:
         """Problems with these settings, as messages naming the flag."""
         problems: list[str] = []
         if require_models and not self.models:
             problems.append("--model: at least one model directory is needed")
-        problems += _check_port("--port", self.port)
-        for flag, value in (
-            ("--max-batch-size", self.max_batch_size),
-            ("--prefill-chunk-size", self.prefill_chunk_size),
-            ("--max-context-length", self.max_context_length),
-            ("--max-receive-message-bytes", self.max_receive_message_bytes),
-            ("--max-concurrent-streams", self.max_concurrent_streams),
-            ("--max-new-tokens-cap", self.limits.max_new_tokens_cap),
-            ("--default-max-new-tokens", self.limits.default_max_new_tokens),
-            ("--max-prompt-chars", self.limits.max_prompt_chars),
-        ):
-            if value < 1:
-                problems.append(f"{flag}: must be at least 1, got {value}")
-        for flag, count in (
-            ("--max-queue-size", self.max_queue_size),
-            ("--intra-op-threads", self.intra_op_threads),
-            ("--max-stop-strings", self.limits.max_stop_strings),
-            ("--keepalive-max-ping-strikes", self.keepalive.max_ping_strikes),
-        ):
-            if count < 0:
-                problems.append(f"{flag}: must be >= 0, got {count}")
-        for flag, seconds in (
-            ("--drain-timeout", self.drain_timeout),
-            ("--keepalive-min-ping-interval", self.keepalive.min_ping_interval),
-        ):
-            if not seconds >= 0:
-                problems.append(f"{flag}: must be >= 0 seconds, got {seconds}")
-        for flag, seconds in (
-            ("--keepalive-time", self.keepalive.time),
-            ("--keepalive-timeout", self.keepalive.timeout),
-        ):
-            if not seconds > 0:
-                problems.append(f"{flag}: must be more than 0 seconds, got {seconds}")
+        problems += bound_problems(self, declared_settings(ServerSettings))
         if self.limits.default_max_new_tokens > self.limits.max_new_tokens_cap:
             problems.append(
                 f"--default-max-new-tokens: {self.limits.default_max_new_tokens} is above "
@@ -181,18 +238,10 @@ class ServerSettings:
     def _telemetry_problems(self) -> list[str]:
         telemetry = self.telemetry
         problems: list[str] = []
-        if telemetry.metrics_port is not None:
-            problems += _check_port("--metrics-port", telemetry.metrics_port)
-            if telemetry.metrics_port != 0 and telemetry.metrics_port == self.port:
-                problems.append(f"--metrics-port: {telemetry.metrics_port} is also the gRPC --port")
+        if telemetry.metrics_port not in (None, 0) and telemetry.metrics_port == self.port:
+            problems.append(f"--metrics-port: {telemetry.metrics_port} is also the gRPC --port")
         if telemetry.otlp_metrics and not telemetry.otlp_endpoint:
             problems.append("--otlp-metrics: needs --otlp-endpoint")
-        if not isinstance(logging.getLevelName(telemetry.log_level.upper()), int):
-            problems.append(f"--log-level: {telemetry.log_level!r} is not DEBUG, INFO, WARNING or ERROR")
-        if telemetry.log_format not in ("text", "json"):
-            problems.append(f"--log-format: must be text or json, got {telemetry.log_format!r}")
-        if not telemetry.service_name:
-            problems.append("--service-name: must not be empty")
         return problems
 
     def _tls_problems(self) -> list[str]:
@@ -228,7 +277,3 @@ class ServerSettings:
                 f"got {low}"
             )
         return problems
-
-
-def _check_port(flag: str, port: int) -> list[str]:
-    return [] if 0 <= port <= 65535 else [f"{flag}: {port} is not a TCP port"]

@@ -1,5 +1,8 @@
 """Where `tokenwire serve` takes its settings from: flags, TOKENWIRE_* variables, a TOML file.
 
+The settings and their flags, variables, keys, help and bounds are declared once, as the fields
+of the dataclasses in config.py; this module only reads them from the outside world.
+
 For each setting the first of these that sets it wins: the flag on the command line, its
 environment variable (TOKENWIRE_ and the flag's name in capitals with underscores), the
 --config file (the flag's name with underscores as the key), the default. Paths in the file
@@ -16,24 +19,15 @@ import argparse
 import difflib
 import math
 import sys
+import typing
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any
 
-from tokenwire.server.config import (
-    DEFAULT_METRICS_PORT,
-    AuthSettings,
-    HealthSettings,
-    KeepaliveSettings,
-    ModelSource,
-    ServerSettings,
-    TelemetrySettings,
-    TlsSettings,
-)
-from tokenwire.server.engine.validation import RequestLimits
+from tokenwire.server.config import ModelSource, ServerSettings
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import AUTH_TOKENS_ENV, TokenFileError, load_tokens
+from tokenwire.server.settings_schema import GROUPS, SECURITY, Declared, declared_settings
 from tokenwire.server.telemetry.exporters import otlp_exporter_installed
 
 if sys.version_info >= (3, 11):
@@ -41,294 +35,26 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-ENV_PREFIX = "TOKENWIRE_"
 CONFIG_ENV = "TOKENWIRE_CONFIG"
 MODEL_ENV = "TOKENWIRE_MODEL"
 
-Kind = Literal["int", "float", "str", "bool", "path", "choice"]
-
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
-_DEFAULTS = ServerSettings()
 
+Setting = Declared
 
-@dataclass(frozen=True)
-class Setting:
-    key: str
-    """TOML key and argparse destination; the flag and variable derive from it."""
-    kind: Kind
-    default: object
-    help: str
-    group: str
-    choices: tuple[str, ...] = ()
-    optional: bool = False
-    """May be unset (None): an empty variable unsets it."""
-
-    @property
-    def flag(self) -> str:
-        return "--" + self.key.replace("_", "-")
-
-    @property
-    def env(self) -> str:
-        return ENV_PREFIX + self.key.upper()
-
-
-ENGINE = "models and engine"
-NETWORK = "network and limits"
-SECURITY = "security"
-TELEMETRY = "telemetry"
-HEALTH = "health"
-
-SETTINGS: tuple[Setting, ...] = (
-    Setting(
-        "device",
-        "choice",
-        _DEFAULTS.device,
-        "where the model runs; auto picks CUDA when ONNX Runtime has it",
-        ENGINE,
-        choices=("auto", "cpu", "cuda"),
-    ),
-    Setting(
-        "max_batch_size",
-        "int",
-        _DEFAULTS.max_batch_size,
-        "most sequences decoded together; sizes the KV cache",
-        ENGINE,
-    ),
-    Setting(
-        "max_queue_size",
-        "int",
-        _DEFAULTS.max_queue_size,
-        "most requests waiting for a slot; beyond it RESOURCE_EXHAUSTED",
-        ENGINE,
-    ),
-    Setting(
-        "max_context_length",
-        "int",
-        _DEFAULTS.max_context_length,
-        "longest sequence (prompt + output) served; sizes the KV cache",
-        ENGINE,
-    ),
-    Setting(
-        "prefill_chunk_size",
-        "int",
-        _DEFAULTS.prefill_chunk_size,
-        "prompt tokens per model call, so long prompts do not stall streams",
-        ENGINE,
-    ),
-    Setting(
-        "intra_op_threads",
-        "int",
-        _DEFAULTS.intra_op_threads,
-        "ONNX Runtime threads per operator (0: one per core)",
-        ENGINE,
-    ),
-    Setting(
-        "max_new_tokens_cap",
-        "int",
-        _DEFAULTS.limits.max_new_tokens_cap,
-        "largest max_new_tokens a request may ask for",
-        ENGINE,
-    ),
-    Setting(
-        "default_max_new_tokens",
-        "int",
-        _DEFAULTS.limits.default_max_new_tokens,
-        "max_new_tokens when a request leaves it unset",
-        ENGINE,
-    ),
-    Setting(
-        "max_prompt_chars",
-        "int",
-        _DEFAULTS.limits.max_prompt_chars,
-        "longest prompt in characters (all "
-        "chat messages together); longer is INVALID_ARGUMENT before tokenizing",
-        ENGINE,
-    ),
-    Setting(
-        "max_stop_strings",
-        "int",
-        _DEFAULTS.limits.max_stop_strings,
-        "most stop strings per request; more is INVALID_ARGUMENT",
-        ENGINE,
-    ),
-    Setting("host", "str", _DEFAULTS.host, "address to listen on", NETWORK),
-    Setting("port", "int", _DEFAULTS.port, "gRPC port (0 picks one)", NETWORK),
-    Setting(
-        "drain_timeout",
-        "float",
-        _DEFAULTS.drain_timeout,
-        "seconds live requests get to finish after SIGTERM; then they fail with UNAVAILABLE",
-        NETWORK,
-    ),
-    Setting(
-        "max_receive_message_bytes",
-        "int",
-        _DEFAULTS.max_receive_message_bytes,
-        "largest request message; larger is RESOURCE_EXHAUSTED",
-        NETWORK,
-    ),
-    Setting(
-        "max_concurrent_streams",
-        "int",
-        _DEFAULTS.max_concurrent_streams,
-        "calls one connection may have open at once (HTTP/2 streams); further calls wait in the client",
-        NETWORK,
-    ),
-    Setting(
-        "keepalive_time",
-        "float",
-        _DEFAULTS.keepalive.time,
-        "seconds between the server's keepalive pings, to find dead clients",
-        NETWORK,
-    ),
-    Setting(
-        "keepalive_timeout",
-        "float",
-        _DEFAULTS.keepalive.timeout,
-        "seconds a keepalive ping may go unanswered before the connection is closed",
-        NETWORK,
-    ),
-    Setting(
-        "keepalive_min_ping_interval",
-        "float",
-        _DEFAULTS.keepalive.min_ping_interval,
-        "seconds clients must leave between their pings; faster pings earn strikes",
-        NETWORK,
-    ),
-    Setting(
-        "keepalive_max_ping_strikes",
-        "int",
-        _DEFAULTS.keepalive.max_ping_strikes,
-        "too-fast pings before the connection is closed with GOAWAY too_many_pings (0: never)",
-        NETWORK,
-    ),
-    Setting(
-        "keepalive_permit_without_calls",
-        "bool",
-        _DEFAULTS.keepalive.permit_without_calls,
-        "accept keepalive pings on connections without live calls",
-        NETWORK,
-    ),
-    Setting(
-        "reflection",
-        "bool",
-        _DEFAULTS.reflection,
-        "offer gRPC server reflection (grpcurl, buf curl); behind the bearer token when authentication is on",
-        NETWORK,
-    ),
-    Setting(
-        "auth_tokens_file",
-        "path",
-        None,
-        "file of accepted bearer tokens, one a line (# comments); with it "
-        f"or {AUTH_TOKENS_ENV} (comma-separated) every call needs 'authorization: Bearer TOKEN'",
-        SECURITY,
-        optional=True,
-    ),
-    Setting(
-        "auth_health",
-        "bool",
-        _DEFAULTS.auth.protect_health,
-        "require the bearer token for grpc.health.v1 too (off: load balancers probe without one)",
-        SECURITY,
-    ),
-    Setting(
-        "tls_cert",
-        "path",
-        None,
-        "server certificate chain (PEM); with --tls-key enables TLS",
-        SECURITY,
-        optional=True,
-    ),
-    Setting("tls_key", "path", None, "server private key (PEM)", SECURITY, optional=True),
-    Setting(
-        "tls_client_ca",
-        "path",
-        None,
-        "CA certificate (PEM) client certificates must chain to; enables mutual TLS",
-        SECURITY,
-        optional=True,
-    ),
-    Setting("metrics", "bool", True, "serve Prometheus metrics over HTTP", TELEMETRY),
-    Setting(
-        "metrics_port",
-        "int",
-        DEFAULT_METRICS_PORT,
-        "port of the metrics endpoint, path /metrics (0 picks one)",
-        TELEMETRY,
-    ),
-    Setting(
-        "metrics_host",
-        "str",
-        None,
-        "address of the metrics endpoint (default: --host)",
-        TELEMETRY,
-        optional=True,
-    ),
-    Setting(
-        "otlp_endpoint",
-        "str",
-        None,
-        "OTLP/gRPC collector for request spans, e.g. http://localhost:4317 "
-        "(unset: no spans are built); OTEL_EXPORTER_OTLP_* variables add headers and certificates",
-        TELEMETRY,
-        optional=True,
-    ),
-    Setting(
-        "otlp_metrics",
-        "bool",
-        False,
-        "also push metrics to --otlp-endpoint (every 60 s, or OTEL_METRIC_EXPORT_INTERVAL ms)",
-        TELEMETRY,
-    ),
-    Setting(
-        "service_name",
-        "str",
-        _DEFAULTS.telemetry.service_name,
-        "service.name of the OpenTelemetry resource",
-        TELEMETRY,
-    ),
-    Setting(
-        "log_level",
-        "str",
-        _DEFAULTS.telemetry.log_level,
-        "logging level: DEBUG, INFO, WARNING, ERROR",
-        TELEMETRY,
-    ),
-    Setting(
-        "log_format",
-        "choice",
-        _DEFAULTS.telemetry.log_format,
-        "text, or json: one JSON object per line",
-        TELEMETRY,
-        choices=("text", "json"),
-    ),
-    Setting(
-        "access_log",
-        "bool",
-        _DEFAULTS.telemetry.access_log,
-        "one log line per request (logger tokenwire.access) with its outcome and timings",
-        TELEMETRY,
-    ),
-    Setting(
-        "health_queue_high_watermark",
-        "int",
-        None,
-        "report NOT_SERVING on grpc.health.v1 once a model's "
-        "queue holds this many requests (unset: never for load)",
-        HEALTH,
-        optional=True,
-    ),
-    Setting(
-        "health_queue_low_watermark",
-        "int",
-        None,
-        "report SERVING again once every queue is down to this many (default: half the high watermark)",
-        HEALTH,
-        optional=True,
-    ),
+AUTH_TOKENS_FILE = Setting(
+    "auth_tokens_file",
+    "path",
+    None,
+    "file of accepted bearer tokens, one a line (# comments); with it "
+    f"or {AUTH_TOKENS_ENV} (comma-separated) every call needs 'authorization: Bearer TOKEN'",
+    SECURITY,
+    optional=True,
 )
+"""Read here into AuthSettings.tokens; no field holds the file's path."""
+
+SETTINGS: tuple[Setting, ...] = (AUTH_TOKENS_FILE, *declared_settings(ServerSettings))
 SETTING_KEYS = frozenset(s.key for s in SETTINGS) | {"model"}
 
 
@@ -354,11 +80,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model directory to serve (repeat for several; the first is the default). Without any, the "
         f"default model is pulled once and served from the cache [{MODEL_ENV}]",
     )
-    groups: dict[str, argparse._ArgumentGroup] = {}
+    groups = {title: parser.add_argument_group(title) for title in GROUPS}
     for setting in SETTINGS:
-        group = groups.get(setting.group)
-        if group is None:
-            group = groups[setting.group] = parser.add_argument_group(setting.group)
+        group = groups[setting.group]
         shown = "unset" if setting.default is None else _shown(setting.default)
         help_text = f"{setting.help} [{setting.env}; default {shown}]".replace("%", "%%")
         if setting.kind == "bool":
@@ -431,80 +155,31 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerSettings
 def _build(
     values: Mapping[str, object], models: tuple[ModelSource, ...], tokens: tuple[str, ...]
 ) -> ServerSettings:
-    def integer(key: str) -> int:
-        value = values[key]
-        assert isinstance(value, int)
-        return value
+    """The settings object: each declared setting's value put at its field's path."""
+    fields: dict[str, Any] = {"models": models, "auth": {"tokens": tokens}}
+    for setting in SETTINGS:
+        if not setting.path:
+            continue
+        value = values[setting.key]
+        switch = setting.spec.switch if setting.spec is not None else None
+        if switch is not None and not values[switch[0]]:
+            value = None
+        *groups, name = setting.path
+        owner = fields
+        for group in groups:
+            owner = owner.setdefault(group, {})
+        owner[name] = value
+    settings: ServerSettings = _instance(ServerSettings, fields)
+    return settings
 
-    def optional_integer(key: str) -> int | None:
-        value = values[key]
-        assert value is None or isinstance(value, int)
-        return value
 
-    def number(key: str) -> float:
-        value = values[key]
-        assert isinstance(value, int | float)
-        return float(value)
-
-    def text(key: str) -> str:
-        return str(values[key])
-
-    def optional_text(key: str) -> str | None:
-        value = values[key]
-        return None if value is None else str(value)
-
-    def flag(key: str) -> bool:
-        return bool(values[key])
-
-    log_format = text("log_format")
-    device = text("device")
-    return ServerSettings(
-        models=models,
-        host=text("host"),
-        port=integer("port"),
-        max_batch_size=integer("max_batch_size"),
-        max_queue_size=integer("max_queue_size"),
-        prefill_chunk_size=integer("prefill_chunk_size"),
-        max_context_length=integer("max_context_length"),
-        device="cuda" if device == "cuda" else "cpu" if device == "cpu" else "auto",
-        intra_op_threads=integer("intra_op_threads"),
-        drain_timeout=number("drain_timeout"),
-        max_receive_message_bytes=integer("max_receive_message_bytes"),
-        max_concurrent_streams=integer("max_concurrent_streams"),
-        reflection=flag("reflection"),
-        limits=RequestLimits(
-            max_new_tokens_cap=integer("max_new_tokens_cap"),
-            default_max_new_tokens=integer("default_max_new_tokens"),
-            max_prompt_chars=integer("max_prompt_chars"),
-            max_stop_strings=integer("max_stop_strings"),
-        ),
-        keepalive=KeepaliveSettings(
-            time=number("keepalive_time"),
-            timeout=number("keepalive_timeout"),
-            min_ping_interval=number("keepalive_min_ping_interval"),
-            max_ping_strikes=integer("keepalive_max_ping_strikes"),
-            permit_without_calls=flag("keepalive_permit_without_calls"),
-        ),
-        telemetry=TelemetrySettings(
-            metrics_port=integer("metrics_port") if flag("metrics") else None,
-            metrics_host=optional_text("metrics_host"),
-            otlp_endpoint=optional_text("otlp_endpoint"),
-            otlp_metrics=flag("otlp_metrics"),
-            service_name=text("service_name"),
-            access_log=flag("access_log"),
-            log_level=text("log_level"),
-            log_format="json" if log_format == "json" else "text",
-        ),
-        auth=AuthSettings(tokens=tokens, protect_health=flag("auth_health")),
-        tls=TlsSettings(
-            cert=_optional_path(values["tls_cert"]),
-            key=_optional_path(values["tls_key"]),
-            client_ca=_optional_path(values["tls_client_ca"]),
-        ),
-        health=HealthSettings(
-            queue_high_watermark=optional_integer("health_queue_high_watermark"),
-            queue_low_watermark=optional_integer("health_queue_low_watermark"),
-        ),
+def _instance(cls: type[Any], fields: dict[str, Any]) -> Any:
+    hints = typing.get_type_hints(cls)
+    return cls(
+        **{
+            name: _instance(hints[name], value) if isinstance(value, dict) else value
+            for name, value in fields.items()
+        }
     )
 
 
@@ -608,22 +283,10 @@ def _optional_path(value: object) -> Path | None:
     return value
 
 
-_METAVARS = {
-    "host": "ADDRESS",
-    "metrics_host": "ADDRESS",
-    "port": "PORT",
-    "metrics_port": "PORT",
-    "otlp_endpoint": "URL",
-    "service_name": "NAME",
-    "log_level": "LEVEL",
-    "max_receive_message_bytes": "BYTES",
-}
-
-
 def _metavar(setting: Setting) -> str | None:
     if setting.choices:
         return None
-    named = _METAVARS.get(setting.key)
+    named = setting.metavar
     return named or {"int": "N", "float": "SECONDS", "path": "FILE", "str": "TEXT"}.get(setting.kind)
 
 

@@ -14,6 +14,7 @@ from tokenwire.server.engine.errors import FieldViolation, GenerationError
 from tokenwire.server.engine.types import GenerationRequest, StopConditions
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import SamplingParams
+from tokenwire.server.settings_schema import setting
 from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTemplate, ChatTemplateError, ChatTurn
 from tokenwire.server.text.tokenizer import Tokenizer
 
@@ -22,12 +23,17 @@ MAX_TOP_LOGPROBS = 20
 
 @dataclass(frozen=True)
 class RequestLimits:
-    max_new_tokens_cap: int = 4096
-    default_max_new_tokens: int = 256
-    max_stop_strings: int = 16
+    max_new_tokens_cap: int = setting(4096, "largest max_new_tokens a request may ask for", minimum=1)
+    default_max_new_tokens: int = setting(256, "max_new_tokens when a request leaves it unset", minimum=1)
+    max_stop_strings: int = setting(16, "most stop strings per request; more is INVALID_ARGUMENT", minimum=0)
     max_stop_string_length: int = 256
     max_request_id_length: int = 128
-    max_prompt_chars: int = 1_000_000
+    max_prompt_chars: int = setting(
+        1_000_000,
+        "longest prompt in characters (all chat messages together); longer is INVALID_ARGUMENT before "
+        "tokenizing",
+        minimum=1,
+    )
     """Bound on raw prompt text, checked before tokenizing so huge inputs cost nothing."""
     max_messages: int = 1024
 
