@@ -219,3 +219,21 @@ async def test_the_cli_sends_its_token(
     refused = capsys.readouterr().err
     assert with_token == 0 and listed.startswith("tiny\t")
     assert without == 1 and "UNAUTHENTICATED" in refused
+
+
+@pytest.mark.parametrize("method", ["Generate", "StreamGenerate", "ListModels"])
+async def test_a_call_without_a_token_is_refused_before_its_body_is_read(
+    protected: TokenwireServer, method: str
+) -> None:
+    # The request message never comes: a server that read (and decoded) the body before checking
+    # the token would wait for it until the deadline instead of refusing at once.
+    never: asyncio.Queue[bytes] = asyncio.Queue()
+
+    async def no_messages() -> AsyncIterator[bytes]:
+        yield await never.get()
+
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{protected.port}") as channel:
+        call = channel.stream_unary(f"/tokenwire.v1.InferenceService/{method}")(no_messages(), timeout=20)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await call
+    assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED

@@ -16,6 +16,18 @@ class ErrorKind(Enum):
     UNAUTHENTICATED = "unauthenticated"
 
 
+MAX_VIOLATIONS = 8
+"""Most field violations one error lists; a request with more problems learns of the first few."""
+EXCERPT_CHARACTERS = 40
+
+
+def excerpt(text: str, limit: int = EXCERPT_CHARACTERS) -> str:
+    """`text` shortened to `limit` characters, saying how long it was, for errors and logs."""
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(text)} characters)"
+
+
 @dataclass(frozen=True)
 class FieldViolation:
     field: str
@@ -46,8 +58,12 @@ class GenerationError(Exception):
 
     @classmethod
     def invalid(cls, *violations: FieldViolation) -> GenerationError:
-        summary = "; ".join(f"{v.field}: {v.description}" for v in violations)
-        return cls(ErrorKind.INVALID_ARGUMENT, f"invalid request: {summary}", violations=violations)
+        """INVALID_ARGUMENT for the first MAX_VIOLATIONS of `violations`, so the error stays small."""
+        shown = violations[:MAX_VIOLATIONS]
+        summary = "; ".join(f"{v.field}: {v.description}" for v in shown)
+        if len(violations) > len(shown):
+            summary += f"; and {len(violations) - len(shown)} more"
+        return cls(ErrorKind.INVALID_ARGUMENT, f"invalid request: {summary}", violations=shown)
 
     def __repr__(self) -> str:
         return f"GenerationError({self.kind.name}, {self.message!r})"

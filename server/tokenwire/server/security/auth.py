@@ -127,19 +127,16 @@ def _digest(token: bytes) -> bytes:
 
 
 def _refusal(handler: grpc.RpcMethodHandler, error: GenerationError) -> grpc.RpcMethodHandler:
-    """A handler of the same shape as `handler` that ends the call with `error`."""
+    """A handler that ends the call with `error` without reading, let alone decoding, its body.
 
-    async def refuse(request: Any, context: grpc.aio.ServicerContext) -> None:
+    It takes requests as a stream whatever the method's shape (the wire format is the same), so
+    gRPC hands the call over before any request message arrives, and it has no deserializer, so
+    the bytes that do arrive are never parsed: an unauthenticated call costs a header check.
+    """
+
+    async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
         await errors.abort(context, error)
 
-    wire = {
-        "request_deserializer": handler.request_deserializer,
-        "response_serializer": handler.response_serializer,
-    }
-    if handler.request_streaming and handler.response_streaming:
-        return grpc.stream_stream_rpc_method_handler(refuse, **wire)
-    if handler.request_streaming:
-        return grpc.stream_unary_rpc_method_handler(refuse, **wire)
     if handler.response_streaming:
-        return grpc.unary_stream_rpc_method_handler(refuse, **wire)
-    return grpc.unary_unary_rpc_method_handler(refuse, **wire)
+        return grpc.stream_stream_rpc_method_handler(refuse)
+    return grpc.stream_unary_rpc_method_handler(refuse)

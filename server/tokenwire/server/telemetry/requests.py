@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from tokenwire.server.engine.errors import GenerationError
+from tokenwire.server.engine.errors import GenerationError, excerpt
 from tokenwire.server.engine.types import Completed, EngineEvent, Failed, Outcome
 from tokenwire.server.engine.validation import RequestSpec
 from tokenwire.server.telemetry.access_log import AccessLog
@@ -22,6 +22,9 @@ from tokenwire.server.telemetry.summary import RequestParameters, RequestSummary
 from tokenwire.server.telemetry.tracing import Metadata, RequestTracer, caller_context, trace_id_of
 
 log = logging.getLogger(__name__)
+
+RECORDED_TEXT_CHARACTERS = 128
+"""Longest request id or model name a span or log line carries (the longest valid request id)."""
 
 
 class RequestTelemetry:
@@ -64,10 +67,11 @@ class RequestRecord:
         self._ended = not owner.enabled
 
     def describe(self, spec: RequestSpec) -> None:
-        self._request_id = spec.request_id
+        # A refused request is recorded with whatever id and model it carried: never all of them.
+        self._request_id = excerpt(spec.request_id, RECORDED_TEXT_CHARACTERS)
         self._parameters = RequestParameters(
             operation="chat" if spec.messages else "text_completion",
-            requested_model=spec.model,
+            requested_model=excerpt(spec.model, RECORDED_TEXT_CHARACTERS),
             max_new_tokens=spec.max_new_tokens,
             temperature=spec.temperature,
             top_p=spec.top_p,
