@@ -20,7 +20,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -65,7 +65,11 @@ class EngineConfig:
 
 @dataclass
 class EngineStats:
-    """Counters for tests and telemetry. Written by the engine thread only."""
+    """Counters for tests and telemetry.
+
+    The engine thread writes them all except `rejected` and `abort_requests`, which count what
+    the event loop received; those live in the inbox and `Engine.stats` joins the two.
+    """
 
     decode_steps: int = 0
     decoded_rows: int = 0
@@ -90,13 +94,25 @@ class _Waiting:
     sink: EventSink
 
 
+@dataclass(frozen=True)
+class _Abort:
+    key: int
+    reason: AbortReason
+    requested_at_step: int | None
+    """Decode steps completed when a caller asked for the abort; None for the server's own (shutdown)."""
+
+
 @dataclass
 class _Inbox:
     """State shared between the event loop and the engine thread, guarded by the engine lock."""
 
     waiting: deque[_Waiting] = field(default_factory=deque)
-    aborts: list[tuple[int, AbortReason]] = field(default_factory=list)
+    aborts: list[_Abort] = field(default_factory=list)
     live: set[int] = field(default_factory=set)
+    decode_steps: int = 0
+    """The engine's count of completed decode steps, published for the aborts to carry."""
+    rejected: int = 0
+    abort_requests: int = 0
 
 
 class Engine:
@@ -131,9 +147,8 @@ class Engine:
         self._prefilling: deque[Sequence] = deque()
         self._decoding: dict[int, Sequence] = {}
         self._outbox: list[tuple[EventSink, EngineEvent]] = []
-        self._abort_step: dict[int, int] = {}
         self._service_seconds = 1.0  # moving average of started->finished, for retry hints
-        self.stats = EngineStats()
+        self._stats = EngineStats()
 
     # -- event-loop side -------------------------------------------------------------------------
 
@@ -148,6 +163,14 @@ class Engine:
     @property
     def slots(self) -> int:
         return self._slots
+
+    @property
+    def stats(self) -> EngineStats:
+        """A snapshot of the counters: the engine thread's, with what the event loop received."""
+        with self._lock:
+            return replace(
+                self._stats, rejected=self._inbox.rejected, abort_requests=self._inbox.abort_requests
+            )
 
     def start(self) -> None:
         """Start the engine thread; events are delivered on the running event loop."""
@@ -170,7 +193,7 @@ class Engine:
                 )
             capacity = self._slots + self._config.max_queue_size
             if len(self._inbox.live) >= capacity:
-                self.stats.rejected += 1
+                self._inbox.rejected += 1
                 retry_after = self._retry_after_locked()
                 raise GenerationError(
                     ErrorKind.RESOURCE_EXHAUSTED,
@@ -193,9 +216,8 @@ class Engine:
         with self._lock:
             if key not in self._inbox.live:
                 return
-            self._inbox.aborts.append((key, reason))
-            self._abort_step.setdefault(key, self.stats.decode_steps)
-            self.stats.abort_requests += 1
+            self._inbox.aborts.append(_Abort(key, reason, requested_at_step=self._inbox.decode_steps))
+            self._inbox.abort_requests += 1
             self._wakeup.notify()
 
     def stop_accepting(self) -> None:
@@ -231,7 +253,7 @@ class Engine:
         with self._lock:
             self._accepting = False
             for key in self._inbox.live:
-                self._inbox.aborts.append((key, AbortReason.SHUTDOWN))
+                self._inbox.aborts.append(_Abort(key, AbortReason.SHUTDOWN, requested_at_step=None))
             self._stopping = True
             self._wakeup.notify()
         if self._thread is not None:
@@ -327,12 +349,12 @@ class Engine:
                 logits = self._runner.prefill(sequence.key, chunk, start=start)
             except Exception as error:
                 log.exception("prefill failed for request %s", sequence.request.request_id)
-                self.stats.step_failures += 1
+                self._stats.step_failures += 1
                 self._prefilling.popleft()
                 self._finish(sequence, _model_error(error), self._clock())
                 continue
             now = self._clock()
-            self.stats.prefill_chunks += 1
+            self._stats.prefill_chunks += 1
             self._observer.prefill_chunk(model=self._model, tokens=len(chunk), seconds=now - began)
             budget -= len(chunk)
             sequence.prefilled += len(chunk)
@@ -353,15 +375,17 @@ class Engine:
             logits = self._runner.decode([s.key for s in rows], [s.last_token for s in rows])
         except Exception as error:
             log.exception("decode step failed for %d sequences", len(rows))
-            self.stats.step_failures += 1
+            self._stats.step_failures += 1
             now = self._clock()
             for sequence in rows:
                 del self._decoding[sequence.key]
                 self._finish(sequence, _model_error(error), now)
             return
         now = self._clock()
-        self.stats.decode_steps += 1
-        self.stats.decoded_rows += len(rows)
+        self._stats.decode_steps += 1
+        self._stats.decoded_rows += len(rows)
+        with self._lock:
+            self._inbox.decode_steps = self._stats.decode_steps
         self._observer.decode_step(model=self._model, batch_size=len(rows), seconds=now - began)
         self._accept_tokens(rows, logits, now)
 
@@ -391,22 +415,32 @@ class Engine:
             top=tuple((tid, decode([tid], skip_special_tokens=False), lp) for tid, lp in found.top),
         )
 
-    def _apply_aborts(self, aborts: list[tuple[int, AbortReason]], now: float) -> None:
-        for key, reason in aborts:
-            sequence = self._decoding.pop(key, None)
-            if sequence is None:
-                sequence = next((s for s in self._prefilling if s.key == key), None)
-                if sequence is not None:
-                    self._prefilling.remove(sequence)
-            if sequence is not None:
-                self._finish_aborted(sequence, reason, now)
-                continue
-            with self._lock:
-                entry = next((w for w in self._inbox.waiting if w.key == key), None)
-                if entry is not None:
-                    self._inbox.waiting.remove(entry)
-            if entry is not None:
-                self._finish_aborted(entry, reason, now)
+    def _apply_aborts(self, aborts: list[_Abort], now: float) -> None:
+        # A key with several aborts ends at the first; the rest find nothing, as do aborts of
+        # requests that ended by themselves before the abort was taken.
+        for abort in aborts:
+            live: Sequence | _Waiting | None = self._decoding.pop(abort.key, None)
+            if live is None:
+                live = next((s for s in self._prefilling if s.key == abort.key), None)
+                if live is not None:
+                    self._prefilling.remove(live)
+            if live is None:
+                with self._lock:
+                    live = next((w for w in self._inbox.waiting if w.key == abort.key), None)
+                    if live is not None:
+                        self._inbox.waiting.remove(live)
+            if live is not None:
+                self._count_abort(live, abort)
+                self._finish(live, _abort_ending(abort.reason, started=isinstance(live, Sequence)), now)
+
+    def _count_abort(self, live: Sequence | _Waiting, abort: _Abort) -> None:
+        if abort.requested_at_step is None:
+            return
+        self._stats.aborted += 1
+        if isinstance(live, Sequence):  # a request still queued took part in no step at all
+            latency = self._stats.decode_steps - abort.requested_at_step
+            self._stats.max_abort_latency_steps = max(self._stats.max_abort_latency_steps, latency)
+            self._stats.orphaned_steps += max(0, latency - 1)
 
     def _expire_deadlines(self, now: float) -> None:
         expired = [
@@ -461,7 +495,7 @@ class Engine:
                 end, timing, completion_tokens=completion_tokens, prompt_tokens=len(live.request.prompt_ids)
             )
         self._emit(live.sink, event)
-        self.stats.finished += 1
+        self._stats.finished += 1
         self._observer.request_finished(
             model=self._model,
             outcome=event.outcome,
@@ -472,21 +506,9 @@ class Engine:
         )
         self._forget(live.key)
 
-    def _finish_aborted(self, live: Sequence | _Waiting, reason: AbortReason, now: float) -> None:
-        abort_step = self._abort_step.pop(live.key, None)
-        if abort_step is not None:
-            self.stats.aborted += 1
-            if isinstance(live, Sequence):
-                latency = self.stats.decode_steps - abort_step
-                self.stats.max_abort_latency_steps = max(self.stats.max_abort_latency_steps, latency)
-                self.stats.orphaned_steps += max(0, latency - 1)
-        self._finish(live, _abort_ending(reason, started=isinstance(live, Sequence)), now)
-
     def _forget(self, key: int) -> None:
         with self._lock:
             self._inbox.live.discard(key)
-            # An abort may have raced with the request ending by itself (deadline, failure).
-            self._abort_step.pop(key, None)
 
     def _fail_everything(self, error: GenerationError) -> None:
         with self._lock:

@@ -47,7 +47,6 @@ class Sequence:
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     first_token_at: float | None = None
     last_token_at: float | None = None
-    abort_requested_at_step: int | None = None
     _detokenizer: IncrementalDetokenizer = field(init=False)
     _stops: StopStringMatcher = field(init=False)
     _stopped_by_string: bool = False
