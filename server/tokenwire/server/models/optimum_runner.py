@@ -99,6 +99,8 @@ class OptimumRunner:
                 raise ModelRunnerError(f"sequence {seq_id} continues a prefill that never started")
             state = _Prefilling(kv=self._empty_kv(), length=0)
             self._prefilling[seq_id] = state
+        elif state.length != start:
+            raise ModelRunnerError(f"sequence {seq_id} continues a prefill out of order")
         n_new = len(token_ids)
         total = state.length + n_new
         feeds = {
@@ -131,6 +133,29 @@ class OptimumRunner:
         self._mask = mask
         self._positions = self._positions + 1
         return np.ascontiguousarray(logits[order, -1], dtype=np.float32)
+
+    # -- prefix reuse ----------------------------------------------------------------------------
+
+    def kv_bytes_per_token(self) -> int:
+        layout = self._layout
+        return len(self._past_names) * layout.kv_heads * layout.head_dim * layout.kv_dtype.itemsize
+
+    def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
+        # A prompt's rows are read while it is still prefilling, before it joins the padded batch.
+        state = self._prefilling.get(seq_id)
+        if state is None or not 0 <= start <= stop <= state.length:
+            raise ModelRunnerError(f"sequence {seq_id} has no prompt KV rows [{start}, {stop})")
+        return np.stack([value.numpy()[0, :, start:stop] for value in state.kv])
+
+    def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
+        self.release(seq_id)
+        rows = np.concatenate(blocks, axis=2) if len(blocks) > 1 else blocks[0]
+        kv = [
+            ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(rows[tensor][np.newaxis]), self._device)
+            for tensor in range(len(self._past_names))
+        ]
+        self._prefilling[seq_id] = _Prefilling(kv=kv, length=int(rows.shape[2]))
+        return int(rows.shape[2])
 
     def release(self, seq_id: int) -> None:
         self._prefilling.pop(seq_id, None)

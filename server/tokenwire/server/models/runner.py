@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import numpy as np
 
@@ -66,4 +66,26 @@ class ModelRunner(Protocol):
 
     def capacity(self) -> int:
         """How many sequences can hold KV cache at the same time."""
+        ...
+
+
+@runtime_checkable
+class KvRowAccess(Protocol):
+    """A runner whose prompt KV rows can be copied out and back in, for prefix caching.
+
+    Rows are one array [kv tensors, kv_heads, positions, head_dim] in the model's KV dtype. A
+    sequence started from copied rows continues with `prefill(start=rows)` and decodes exactly
+    as if it had processed those positions itself.
+    """
+
+    def kv_bytes_per_token(self) -> int:
+        """Bytes of KV one position takes; 0 where rows cannot be copied (a device cache)."""
+        ...
+
+    def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
+        """A copy of positions [start, stop) of a sequence's prompt, which must be processed."""
+        ...
+
+    def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
+        """Start a sequence whose first positions are `blocks`, concatenated; returns their count."""
         ...

@@ -11,6 +11,11 @@ A prompt cannot share a model call with decode rows, so prefill runs as its own 
 bound straight onto the sequence's slot. Decode runs over the slot prefix [0, n): slots are
 handed out lowest first and, on the CPU, the highest sequence moves down into a freed slot, so
 idle rows do not cost compute.
+
+A slot's first positions can be copied out (`read_kv`) and into a new sequence's slot
+(`start_from_kv`), which is how a cached prompt prefix replaces a prefill. The copy is exact:
+positions computed in prompt chunks of two or more tokens are bit-identical whichever chunks
+they came in (a one-token chunk takes another kernel path and differs in the last bits).
 """
 
 from __future__ import annotations
@@ -237,6 +242,34 @@ class SharedKvRunner:
             # consumes it before the next step overwrites it).
             return self._logits[: len(slots)]
         return np.asarray(self._logits[slots], dtype=np.float32)
+
+    def kv_bytes_per_token(self) -> int:
+        # Rows are copied with numpy: only a cache in host memory can be read and written here.
+        if self._kv.device != "cpu":
+            return 0
+        layout = self._layout
+        return len(layout.past_names) * layout.kv_heads * layout.head_dim * layout.kv_dtype.itemsize
+
+    def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
+        slot = self._slot_of.get(seq_id)
+        if slot is None or not 0 <= start <= stop <= int(self._lengths[slot]):
+            raise ModelRunnerError(f"sequence {seq_id} has no KV rows [{start}, {stop})")
+        return np.stack([array[slot, :, start:stop] for array in self._kv.host])
+
+    def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
+        self.release(seq_id)
+        length = sum(int(block.shape[2]) for block in blocks)
+        if self._kv.device != "cpu" or length > self._max_len:
+            raise ModelRunnerError(f"cannot load {length} KV rows into a slot")
+        if not self._free:
+            raise ModelRunnerError("no free KV-cache slot")
+        slot = heapq.heappop(self._free)
+        self._slot_of[seq_id] = slot
+        rows = np.concatenate(blocks, axis=2) if len(blocks) > 1 else blocks[0]
+        for tensor, array in enumerate(self._kv.host):
+            array[slot, :, :length] = rows[tensor]
+        self._lengths[slot] = length
+        return length
 
     def release(self, seq_id: int) -> None:
         slot = self._slot_of.pop(seq_id, None)

@@ -1,0 +1,115 @@
+"""The prefix cache's bookkeeping: longest full-block prefixes, LRU eviction, leases, the byte bound."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tokenwire.server.engine.prefix_cache import PrefixCache
+
+BLOCK = 4
+BLOCK_BYTES = 32
+
+
+def kv(marker: int) -> np.ndarray:
+    """Stand-in KV rows for one block: 32 bytes carrying a marker to tell blocks apart."""
+    return np.full(8, marker, dtype=np.float32)
+
+
+def cache_with(capacity_blocks: int) -> PrefixCache:
+    return PrefixCache(capacity_bytes=capacity_blocks * BLOCK_BYTES, block_tokens=BLOCK)
+
+
+def store(cache: PrefixCache, prompt: list[int], *, keep: bool = False) -> int:
+    """Run a request's bookkeeping: look up, cache the rest of its full blocks, release (unless kept)."""
+    lease = cache.lookup(prompt, limit=len(prompt))
+    missing = len(prompt) // BLOCK - len(lease.blocks)
+    added = cache.extend(lease, prompt, [kv(100 + i) for i in range(missing)])
+    if not keep:
+        cache.release(lease)
+    return added
+
+
+def test_lookup_finds_the_longest_cached_full_block_prefix() -> None:
+    cache = cache_with(16)
+    prompt = list(range(1, 11))  # two full blocks and two loose tokens
+    assert store(cache, prompt) == 2
+    longer = cache.lookup([*prompt[:8], 50, 51, 52, 53, 54], limit=100)
+    assert longer.tokens == 8
+    assert [int(b[0]) for b in longer.kv()] == [100, 101]
+    diverging = cache.lookup([1, 2, 3, 4, 5, 6, 7, 99], limit=100)
+    assert diverging.tokens == 4
+    assert cache.lookup([9, 2, 3, 4, 5, 6, 7, 8], limit=100).tokens == 0
+
+
+def test_lookup_never_returns_more_than_the_limit() -> None:
+    cache = cache_with(16)
+    prompt = list(range(1, 13))
+    store(cache, prompt)
+    assert cache.lookup(prompt, limit=10).tokens == 8
+    assert cache.lookup(prompt, limit=3).tokens == 0
+
+
+def test_a_block_is_known_by_its_whole_prefix_not_its_own_tokens() -> None:
+    cache = cache_with(16)
+    store(cache, [1, 2, 3, 4, 5, 6, 7, 8])
+    # The same second block after a different first block is a different prefix.
+    assert cache.lookup([9, 9, 9, 9, 5, 6, 7, 8], limit=100).tokens == 0
+
+
+def test_the_least_recently_used_prefix_is_evicted_first() -> None:
+    cache = cache_with(4)
+    store(cache, [1] * 8)  # blocks A1 A2
+    store(cache, [2] * 8)  # blocks B1 B2
+    cache.release(cache.lookup([1] * 8, limit=100))  # A is now more recent than B
+    store(cache, [3] * 8)  # needs two blocks: B's go
+    assert cache.lookup([2] * 8, limit=100).tokens == 0
+    assert cache.lookup([1] * 8, limit=100).tokens == 8
+    assert cache.stats().evicted_blocks == 2
+
+
+def test_eviction_takes_a_prefix_s_last_block_before_its_first() -> None:
+    cache = cache_with(3)
+    store(cache, [1] * 12)  # three blocks of one chain fill the cache
+    store(cache, [7] * 4)  # one block must go: the chain's tail, so its head stays usable
+    assert cache.lookup([1] * 12, limit=100).tokens == 8
+
+
+def test_blocks_a_running_request_holds_are_never_evicted() -> None:
+    cache = cache_with(2)
+    lease = cache.lookup([1] * 8, limit=100)
+    assert cache.extend(lease, [1] * 8, [kv(1), kv(2)]) == 2
+    # The cache is full of leased blocks: a new prefix is simply not cached.
+    assert store(cache, [2] * 8) == 0
+    again = cache.lookup([1] * 8, limit=100)
+    assert again.tokens == 8
+    cache.release(again)
+    cache.release(lease)
+    assert store(cache, [2] * 8) == 2
+
+
+def test_memory_never_exceeds_the_capacity() -> None:
+    cache = cache_with(5)
+    for start in range(20):
+        store(cache, [start] * 8 + [start + 1] * 4)
+        stats = cache.stats()
+        assert stats.bytes <= stats.capacity_bytes
+        assert stats.bytes == stats.blocks * BLOCK_BYTES
+
+
+def test_a_prefix_cached_twice_is_stored_once() -> None:
+    cache = cache_with(16)
+    first = cache.lookup([1] * 8, limit=100)
+    second = cache.lookup([1] * 8, limit=100)  # both looked up before either cached anything
+    cache.extend(first, [1] * 8, [kv(1), kv(2)])
+    cache.extend(second, [1] * 8, [kv(3), kv(4)])
+    assert cache.stats().blocks == 2
+    assert [int(b[0]) for b in second.kv()] == [1, 2]
+
+
+def test_hit_rate_counts_prompt_tokens_found_in_the_cache() -> None:
+    cache = cache_with(16)
+    store(cache, [1] * 8)  # lookup of 8 tokens, none cached
+    cache.release(cache.lookup([1] * 8 + [2] * 8, limit=100))  # 8 of 16 cached
+    stats = cache.stats()
+    assert (stats.lookups, stats.prompt_tokens, stats.hit_tokens) == (2, 24, 8)
+    assert stats.hit_rate == 8 / 24

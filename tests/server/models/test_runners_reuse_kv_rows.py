@@ -1,0 +1,106 @@
+"""Both runners: a sequence started from another's copied KV rows continues as if it had prefilled them."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tokenwire.server.models.loader import LoadSettings, load_model
+from tokenwire.server.models.runner import KvRowAccess, ModelRunner, ModelRunnerError
+from tokenwire.server.models.session import SessionSettings
+
+PROMPT = [(i * 37 + 11) % 500 for i in range(45)]
+SHARED = 32  # the copied prefix; the rest (13 tokens) is prefilled
+STEPS = 8
+
+
+def settings() -> LoadSettings:
+    return LoadSettings(
+        max_batch_size=4, max_context_length=128, session=SessionSettings(device="cpu", intra_op_threads=1)
+    )
+
+
+@pytest.fixture(params=["optimum", "genai"])
+def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> Path:
+    return tiny_model_dir if request.param == "optimum" else tiny_llama_dir
+
+
+def load(model_dir: Path) -> ModelRunner:
+    return load_model(model_dir, settings()).runner
+
+
+def rows_of(runner: ModelRunner) -> KvRowAccess:
+    assert isinstance(runner, KvRowAccess)
+    return runner
+
+
+def greedy(runner: ModelRunner, seq: int, first: np.ndarray, steps: int) -> list[np.ndarray]:
+    logits = [first.copy()]
+    for _ in range(steps):
+        logits.append(runner.decode([seq], [int(logits[-1].argmax())])[0].copy())
+    return logits
+
+
+def test_copied_prefix_rows_give_the_same_logits_as_prefilling_them(model_dir: Path) -> None:
+    alone = load(model_dir)
+    expected = greedy(alone, 1, alone.prefill(1, PROMPT, start=0), STEPS)
+
+    runner = load(model_dir)
+    runner.prefill(1, PROMPT[:SHARED], start=0)
+    # Two blocks, as the prefix cache hands them over.
+    blocks = [rows_of(runner).read_kv(1, 0, 16), rows_of(runner).read_kv(1, 16, SHARED)]
+    runner.release(1)
+    assert rows_of(runner).start_from_kv(2, blocks) == SHARED
+    got = greedy(runner, 2, runner.prefill(2, PROMPT[SHARED:], start=SHARED), STEPS)
+
+    # The shared-buffer layout is bit-exact; left padding (Optimum) agrees to rounding.
+    exact = runner.info.format == "genai"
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert int(a.argmax()) == int(b.argmax()), f"step {step}"
+        if exact:
+            assert np.array_equal(a, b), f"step {step}"
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"step {step}")
+
+
+def test_shared_buffer_rows_are_bit_exact_in_a_busy_batch(tiny_llama_dir: Path) -> None:
+    alone = load(tiny_llama_dir)
+    expected = greedy(alone, 1, alone.prefill(1, PROMPT, start=0), STEPS)
+
+    runner = load(tiny_llama_dir)
+    others = {
+        7: runner.prefill(7, [3, 4, 5, 6, 7], start=0),
+        8: runner.prefill(8, list(range(40, 90)), start=0),
+    }
+    runner.prefill(1, PROMPT, start=0)
+    rows = rows_of(runner).read_kv(1, 0, SHARED)
+    rows_of(runner).start_from_kv(2, [rows])
+    logits = runner.prefill(2, PROMPT[SHARED:], start=SHARED)
+    runner.release(1)  # the source goes away; its slot is compacted over
+    got = [logits.copy()]
+    for _ in range(STEPS):
+        order = [8, 2, 7]
+        tokens = [int(others[8].argmax()), int(got[-1].argmax()), int(others[7].argmax())]
+        out = runner.decode(order, tokens)
+        others = {8: out[0].copy(), 7: out[2].copy()}
+        got.append(out[1].copy())
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert np.array_equal(a, b), f"step {step}"
+
+
+def test_rows_past_what_a_sequence_processed_cannot_be_read(model_dir: Path) -> None:
+    runner = load(model_dir)
+    runner.prefill(1, PROMPT[:10], start=0)
+    with pytest.raises(ModelRunnerError, match=r"no .*KV rows"):
+        rows_of(runner).read_kv(1, 0, 11)
+    with pytest.raises(ModelRunnerError, match=r"no .*KV rows"):
+        rows_of(runner).read_kv(5, 0, 1)
+
+
+def test_kv_bytes_per_token_matches_the_rows_read(model_dir: Path) -> None:
+    runner = load(model_dir)
+    runner.prefill(1, PROMPT[:10], start=0)
+    rows = rows_of(runner).read_kv(1, 2, 9)
+    assert rows.nbytes == 7 * rows_of(runner).kv_bytes_per_token()
