@@ -151,6 +151,7 @@ class TokenwireServer:
                     prefill_chunk_size=settings.prefill_chunk_size,
                 ),
                 observer=self._observer,
+                check_accepting=self.lifecycle.check_accepting,
             )
             engine.start()
             validator = RequestValidator(loaded.info, loaded.tokenizer, loaded.chat_template, settings.limits)
@@ -159,10 +160,8 @@ class TokenwireServer:
 
     async def drain(self, timeout: float) -> bool:
         """Stop taking work and wait for live requests to finish; False if `timeout` passed first."""
-        self.lifecycle.enter(ServingPhase.DRAINING)
+        self.lifecycle.enter(ServingPhase.DRAINING)  # the engines ask it before every submit
         engines = [served.engine for served in self.registry.all()]
-        for engine in engines:
-            engine.stop_accepting()
         results = await asyncio.gather(*(engine.wait_idle(timeout) for engine in engines))
         return all(results)
 

@@ -51,6 +51,8 @@ from tokenwire.server.text.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 Clock = Callable[[], float]
+AdmissionCheck = Callable[[], None]
+"""Raises GenerationError while the server takes no new work (loading, draining)."""
 
 
 @dataclass(frozen=True)
@@ -126,18 +128,21 @@ class Engine:
         *,
         clock: Clock = time.monotonic,
         observer: EngineObserver | None = None,
+        check_accepting: AdmissionCheck | None = None,
     ) -> None:
+        """`check_accepting` is asked before every submit: the server's lifecycle owns whether new
+        work is taken, so a drain has one owner and one error."""
         self._runner = runner
         self._tokenizer = tokenizer
         self._config = config
         self._clock = clock
         self._observer: EngineObserver = observer or NullObserver()
+        self._check_accepting = check_accepting
         self._model = runner.info.name
         self._slots = min(config.max_batch_size, runner.capacity())
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox = _Inbox()
-        self._accepting = True
         self._stopping = False
         self._keys = itertools.count(1)
         self._thread: threading.Thread | None = None
@@ -184,12 +189,14 @@ class Engine:
 
     def submit(self, request: GenerationRequest, sink: EventSink) -> RequestTicket:
         """Queue a validated request. Raises GenerationError when it cannot be accepted."""
+        if self._check_accepting is not None:
+            self._check_accepting()
         with self._lock:
-            if not self._accepting or self._stopping:
+            if self._stopping:
                 raise GenerationError(
                     ErrorKind.UNAVAILABLE,
-                    "server is shutting down; retry on another instance",
-                    reason="DRAINING",
+                    "the model's engine has stopped; retry elsewhere",
+                    reason="SHUTDOWN",
                 )
             capacity = self._slots + self._config.max_queue_size
             if len(self._inbox.live) >= capacity:
@@ -220,15 +227,6 @@ class Engine:
             self._inbox.abort_requests += 1
             self._wakeup.notify()
 
-    def stop_accepting(self) -> None:
-        """Refuse new requests with UNAVAILABLE; live ones continue (the first step of a drain)."""
-        with self._lock:
-            self._accepting = False
-
-    @property
-    def accepting(self) -> bool:
-        return self._accepting
-
     @property
     def live_count(self) -> int:
         with self._lock:
@@ -251,7 +249,6 @@ class Engine:
     async def shutdown(self) -> None:
         """Fail every live request with UNAVAILABLE, then stop the engine thread."""
         with self._lock:
-            self._accepting = False
             for key in self._inbox.live:
                 self._inbox.aborts.append(_Abort(key, AbortReason.SHUTDOWN, requested_at_step=None))
             self._stopping = True
@@ -514,7 +511,7 @@ class Engine:
         with self._lock:
             waiting = list(self._inbox.waiting)
             self._inbox.waiting.clear()
-            self._accepting = False
+            self._stopping = True  # the thread is gone: refuse what it would never serve
         now = self._clock()
         everything: list[Sequence | _Waiting] = [*self._prefilling, *self._decoding.values(), *waiting]
         for live in everything:
