@@ -70,13 +70,13 @@ def model_dir() -> Path:
     configured = os.environ.get("TOKENWIRE_BENCH_MODEL")
     if configured:
         return Path(configured)
-    from tokenwire.server.models.pull import pull_model
+    from tokenwire.server.model_tools.pull import pull_model
 
     return pull_model(progress=False)
 
 
 def gguf_file() -> Path:
-    from tokenwire.server.models.pull import fetch_gguf
+    from tokenwire.server.model_tools.pull import fetch_gguf
 
     return fetch_gguf(progress=False)
 

@@ -192,7 +192,7 @@ def peak_rss_bytes() -> int:
 
 
 def child_convert(gguf: Path, out_dir: Path, dtype: str) -> None:
-    from tokenwire.server.models.convert import convert_gguf
+    from tokenwire.server.model_tools.convert import convert_gguf
 
     started = time.perf_counter()
     convert_gguf(gguf, out_dir, dtype=dtype)
@@ -204,10 +204,10 @@ def child_float_reference(gguf: Path, out_dir: Path, converted: Path) -> None:
     """The same graph with every weight dequantized to float32: the quality reference."""
     from dataclasses import replace
 
-    from tokenwire.server.models.convert import build_llama_graph, read_gguf
-    from tokenwire.server.models.convert.genai_config import GENAI_CONFIG_FILENAME
-    from tokenwire.server.models.convert.llama_graph import save_model
-    from tokenwire.server.models.convert.llama_model import dequantized
+    from tokenwire.server.model_tools.convert import build_llama_graph, read_gguf
+    from tokenwire.server.model_tools.convert.genai_config import GENAI_CONFIG_FILENAME
+    from tokenwire.server.model_tools.convert.llama_graph import save_model
+    from tokenwire.server.model_tools.convert.llama_model import dequantized
 
     source = read_gguf(gguf)
     w = source.weights
@@ -248,8 +248,8 @@ def child_hf_checkpoint(gguf: Path, hf_dir: Path, converted: Path) -> None:
     ONNX Runtime GenAI's builder reads only float GGUF tensors, so it gets this checkpoint and
     quantizes it to int4 itself: dequantize, then requantize.
     """
-    from tokenwire.server.models.convert import read_gguf
-    from tokenwire.server.models.convert.llama_model import dequantized
+    from tokenwire.server.model_tools.convert import read_gguf
+    from tokenwire.server.model_tools.convert.llama_model import dequantized
 
     source = read_gguf(gguf)
     c, vocab, w = source.config, source.vocabulary, source.weights
@@ -454,7 +454,7 @@ def main() -> None:
     args = parser.parse_args()
 
     if args.gguf is None:
-        from tokenwire.server.models.pull import fetch_gguf
+        from tokenwire.server.model_tools.pull import fetch_gguf
 
         args.gguf = fetch_gguf(progress=False)
     gguf: Path = args.gguf.resolve()

@@ -15,7 +15,7 @@ python benchmarks/profile_server.py --streams 8 --seconds 20 | tee "$out/profile
 python benchmarks/stream_cost.py --repetitions 5 | tee "$out/stream_cost.md"
 
 # The load sweep with tokenwire's own bench command: 16 slots, so 32 streams queue.
-model=$(python -c "from tokenwire.server.models.pull import pull_model; print(pull_model(progress=False))")
+model=$(python -c "from tokenwire.server.model_tools.pull import pull_model; print(pull_model(progress=False))")
 log=$(mktemp)
 tokenwire serve --model "$model" --host 127.0.0.1 --port 0 --device cpu --max-batch-size 16 \
     --intra-op-threads 2 >"$log" 2>&1 &

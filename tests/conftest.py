@@ -13,9 +13,9 @@ from tokenwire.client import AsyncClient
 from tokenwire.server.app import ModelWrapper, TokenwireServer
 from tokenwire.server.config import ModelSource, ServerSettings
 from tokenwire.server.engine.observer import EngineObserver
-from tokenwire.server.models.pull import DEFAULT_MODEL, fetch_gguf, pull_model, tokenwire_home
-from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
-from tokenwire.server.models.tiny_llama import create_tiny_llama
+from tokenwire.server.model_tools.pull import DEFAULT_MODEL, fetch_gguf, pull_model, tokenwire_home
+from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
+from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
 
 
 @pytest.fixture(scope="session")

@@ -30,8 +30,8 @@ from pathlib import Path
 
 from tests.reliability.server_process import ServerProcess
 from tests.reliability.workload import GenerationOutcome, Outcome, build_mix, endless_mix, run_load
-from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
-from tokenwire.server.models.tiny_llama import create_tiny_llama
+from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
+from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
 
 MIB = 1024 * 1024
 DEFAULT_RSS_DRIFT_LIMIT_MIB = 32.0

@@ -22,7 +22,7 @@ from tokenwire.client import (
     Stopping,
     TokenwireError,
 )
-from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
+from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 
 LONG = GenerateOptions(
     sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=1000, ignore_eos=True)

@@ -62,7 +62,7 @@ def _serve(args: argparse.Namespace) -> int:
 
     configure_logging(settings.telemetry.log_level, settings.telemetry.log_format)
     if not settings.models:
-        from tokenwire.server.models.pull import pull_model
+        from tokenwire.server.model_tools.pull import pull_model
         from tokenwire.server.models.session import CUDA_PROVIDER, choose_provider
 
         # GroupQueryAttention on CUDA is half precision only: a GPU gets the float16 export.
@@ -87,7 +87,7 @@ def _add_pull(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> 
 
 
 def _pull(args: argparse.Namespace) -> int:
-    from tokenwire.server.models.pull import pull_model
+    from tokenwire.server.model_tools.pull import pull_model
 
     print(pull_model(args.name, dtype=args.dtype))
     return 0
@@ -104,7 +104,7 @@ def _add_convert(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _convert_gguf(args: argparse.Namespace) -> int:
-    from tokenwire.server.models.convert import convert_gguf
+    from tokenwire.server.model_tools.convert import convert_gguf
 
     print(convert_gguf(args.file, args.out_dir, dtype=args.dtype))
     return 0
@@ -133,7 +133,7 @@ def _add_model(commands: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _create_tiny(args: argparse.Namespace) -> int:
     if args.layout == "gqa":
-        from tokenwire.server.models.tiny_llama import create_tiny_llama
+        from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
 
         path = create_tiny_llama(
             args.out_dir,
@@ -147,7 +147,7 @@ def _create_tiny(args: argparse.Namespace) -> int:
             chat_template=not args.no_chat_template,
         )
     else:
-        from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
+        from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 
         config = TinyGptConfig(
             layers=args.layers,

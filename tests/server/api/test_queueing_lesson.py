@@ -14,7 +14,7 @@ import pytest
 
 from tests.conftest import ServerFactory
 from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping
-from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
+from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from tests.support.events import Transcript, read_until
 from tests.support.prometheus import scrape, scrape_now
 from tests.support.serve_process import ServeProcess, start_serve
 from tokenwire.client import AsyncClient, Completed, GenerateOptions, Sampling, Stopping
-from tokenwire.server.models.tiny_gpt import TinyGptConfig, create_tiny_gpt
+from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 
 LONG = GenerateOptions(sampling=Sampling(temperature=0.0), stopping=Stopping(1000, ignore_eos=True))
 

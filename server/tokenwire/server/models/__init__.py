@@ -1,1 +1,1 @@
-"""Model loading and execution: ONNX Runtime runners, format adapters, model builders."""
+"""Model runtime: ONNX Runtime sessions, runners, the loader and warm-up."""

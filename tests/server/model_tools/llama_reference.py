@@ -16,7 +16,7 @@ import numpy as np
 from gguf.quants import dequantize
 from numpy.typing import NDArray
 
-from tokenwire.server.models.convert.llama_model import LlamaWeights, dequantized
+from tokenwire.server.model_tools.convert.llama_model import LlamaWeights, dequantized
 
 Array = NDArray[np.float64]
 

@@ -7,10 +7,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tokenwire.server.models.convert.genai_config import MODEL_FILENAME, TokenIds, write_genai_config
-from tokenwire.server.models.convert.gguf_source import read_gguf
-from tokenwire.server.models.convert.gguf_tokenizer import write_gguf_tokenizer_files
-from tokenwire.server.models.convert.llama_graph import (
+from tokenwire.server.model_tools.convert.genai_config import MODEL_FILENAME, TokenIds, write_genai_config
+from tokenwire.server.model_tools.convert.gguf_source import read_gguf
+from tokenwire.server.model_tools.convert.gguf_tokenizer import write_gguf_tokenizer_files
+from tokenwire.server.model_tools.convert.llama_graph import (
     ActivationType,
     GraphOptions,
     build_llama_graph,

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 from tokenizers import Tokenizer
 
-from tests.server.models.llama_reference import forward, mean_kl, perplexity, reference_from_gguf
-from tests.server.models.shared_buffer_driver import SharedBufferDriver
-from tokenwire.server.models.pull import DEFAULT_MODEL, pull_model
+from tests.server.model_tools.llama_reference import forward, mean_kl, perplexity, reference_from_gguf
+from tests.server.model_tools.shared_buffer_driver import SharedBufferDriver
+from tokenwire.server.model_tools.pull import DEFAULT_MODEL, pull_model
 
 pytestmark = pytest.mark.slow
 

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from tests.server.models.llama_reference import ReferenceModel, reference_from_weights
-from tests.server.models.synthetic_gguf import MIXED_FORMATS, SyntheticGguf, write_synthetic_gguf
-from tokenwire.server.models.tiny_llama import create_tiny_llama, tiny_llama_config, tiny_llama_weights
+from tests.server.model_tools.llama_reference import ReferenceModel, reference_from_weights
+from tests.server.model_tools.synthetic_gguf import MIXED_FORMATS, SyntheticGguf, write_synthetic_gguf
+from tokenwire.server.model_tools.tiny_llama import create_tiny_llama, tiny_llama_config, tiny_llama_weights
 
 HERE = Path(__file__).parent
 PASSAGE_PATH = HERE / "data" / "perplexity_passage.txt"

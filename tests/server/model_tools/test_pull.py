@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.server.models.synthetic_gguf import SyntheticGguf
-from tokenwire.server.models import pull
-from tokenwire.server.models.pull import KnownModel, ModelPullError, fetch_gguf, pull_model
+from tests.server.model_tools.synthetic_gguf import SyntheticGguf
+from tokenwire.server.model_tools import pull
+from tokenwire.server.model_tools.pull import KnownModel, ModelPullError, fetch_gguf, pull_model
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import numpy as np
 from numpy.typing import NDArray
 
-from tokenwire.server.models.convert.quantized import QuantizedMatrix
+from tokenwire.server.model_tools.convert.quantized import QuantizedMatrix
 
 F32 = NDArray[np.float32]
 

@@ -16,13 +16,13 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import quantize
 
-from tests.server.models.llama_reference import ReferenceModel, forward, mean_kl, reference_from_weights
-from tests.server.models.shared_buffer_driver import SharedBufferDriver
-from tokenwire.server.models.convert.genai_config import TokenIds, write_genai_config
-from tokenwire.server.models.convert.llama_graph import GraphOptions, build_llama_graph, save_model
-from tokenwire.server.models.convert.llama_model import LlamaWeights
-from tokenwire.server.models.convert.quantized import decode_gguf_blocks
-from tokenwire.server.models.tiny_llama import tiny_llama_config, tiny_llama_weights
+from tests.server.model_tools.llama_reference import ReferenceModel, forward, mean_kl, reference_from_weights
+from tests.server.model_tools.shared_buffer_driver import SharedBufferDriver
+from tokenwire.server.model_tools.convert.genai_config import TokenIds, write_genai_config
+from tokenwire.server.model_tools.convert.llama_graph import GraphOptions, build_llama_graph, save_model
+from tokenwire.server.model_tools.convert.llama_model import LlamaWeights
+from tokenwire.server.model_tools.convert.quantized import decode_gguf_blocks
+from tokenwire.server.model_tools.tiny_llama import tiny_llama_config, tiny_llama_weights
 
 ATOL = 2e-4
 

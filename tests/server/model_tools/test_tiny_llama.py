@@ -10,9 +10,9 @@ import onnx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.server.models.shared_buffer_driver import SharedBufferDriver
-from tokenwire.server.models.tiny_llama import create_tiny_llama
-from tokenwire.server.models.tiny_tokenizer import CHATML_TEMPLATE, END_OF_TEXT, TURN_END
+from tests.server.model_tools.shared_buffer_driver import SharedBufferDriver
+from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
+from tokenwire.server.model_tools.tiny_tokenizer import CHATML_TEMPLATE, END_OF_TEXT, TURN_END
 
 
 def test_directory_holds_model_config_and_tokenizer(tiny_llama_dir: Path) -> None:

@@ -6,7 +6,7 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
-from tokenwire.server.models.tiny_gpt import TinyGptConfig, build_tiny_gpt_graph, tiny_gpt_weights
+from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, build_tiny_gpt_graph, tiny_gpt_weights
 
 CONFIG = TinyGptConfig(layers=2, hidden=64, heads=4, vocab=512, context_length=64, seed=11)
 

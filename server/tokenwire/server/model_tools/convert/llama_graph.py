@@ -24,14 +24,14 @@ import onnx
 from numpy.typing import NDArray
 from onnx import TensorProto, external_data_helper, helper, numpy_helper
 
-from tokenwire.server.models.convert.llama_model import (
+from tokenwire.server.model_tools.convert.llama_model import (
     LinearWeight,
     LlamaConfig,
     LlamaLayerWeights,
     LlamaWeights,
     linear_shape,
 )
-from tokenwire.server.models.convert.quantized import (
+from tokenwire.server.model_tools.convert.quantized import (
     QuantizedMatrix,
     block_sum_matrix,
     concat_rows,

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from tokenwire.server.models.convert.llama_model import LlamaConfig
+from tokenwire.server.model_tools.convert.llama_model import LlamaConfig
 
 MODEL_FILENAME = "model.onnx"
 GENAI_CONFIG_FILENAME = "genai_config.json"

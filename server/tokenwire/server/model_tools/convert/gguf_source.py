@@ -18,14 +18,14 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from numpy.typing import NDArray
 
-from tokenwire.server.models.convert.gguf_tokenizer import GgufVocabulary
-from tokenwire.server.models.convert.llama_model import (
+from tokenwire.server.model_tools.convert.gguf_tokenizer import GgufVocabulary
+from tokenwire.server.model_tools.convert.llama_model import (
     LinearWeight,
     LlamaConfig,
     LlamaLayerWeights,
     LlamaWeights,
 )
-from tokenwire.server.models.convert.quantized import can_repack, decode_gguf_blocks
+from tokenwire.server.model_tools.convert.quantized import can_repack, decode_gguf_blocks
 
 F32 = NDArray[np.float32]
 

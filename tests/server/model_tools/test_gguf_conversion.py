@@ -16,9 +16,9 @@ import onnx
 import pytest
 from tokenizers import Tokenizer
 
-from tests.server.models.llama_reference import forward, mean_kl
-from tests.server.models.shared_buffer_driver import SharedBufferDriver
-from tests.server.models.synthetic_gguf import (
+from tests.server.model_tools.llama_reference import forward, mean_kl
+from tests.server.model_tools.shared_buffer_driver import SharedBufferDriver
+from tests.server.model_tools.synthetic_gguf import (
     CONTEXT,
     HEAD_DIM,
     HIDDEN,
@@ -28,16 +28,16 @@ from tests.server.models.synthetic_gguf import (
     SyntheticGguf,
     write_synthetic_gguf,
 )
-from tokenwire.server.models.convert import (
+from tokenwire.server.model_tools.convert import (
     GraphOptions,
     UnsupportedModelError,
     build_llama_graph,
     convert_gguf,
     read_gguf,
 )
-from tokenwire.server.models.convert.gguf_tokenizer import UnsupportedTokenizerError
-from tokenwire.server.models.convert.llama_graph import save_model
-from tokenwire.server.models.tiny_tokenizer import CHATML_TEMPLATE, END_OF_TEXT, TURN_END, TURN_START
+from tokenwire.server.model_tools.convert.gguf_tokenizer import UnsupportedTokenizerError
+from tokenwire.server.model_tools.convert.llama_graph import save_model
+from tokenwire.server.model_tools.tiny_tokenizer import CHATML_TEMPLATE, END_OF_TEXT, TURN_END, TURN_START
 
 EXPECTED_FILES = {
     "genai_config.json",

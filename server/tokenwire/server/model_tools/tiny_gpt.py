@@ -18,7 +18,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from tokenwire.server.models.tiny_tokenizer import (
+from tokenwire.server.model_tools.tiny_tokenizer import (
     CHATML_TEMPLATE,
     END_OF_TEXT,
     TURN_END,

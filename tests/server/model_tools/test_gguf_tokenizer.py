@@ -9,17 +9,17 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from tests.server.models.reference_bpe import ReferenceBpe
-from tests.server.models.synthetic_gguf import tokenizer_vocabulary
-from tokenwire.server.models.convert import read_gguf
-from tokenwire.server.models.convert.gguf_tokenizer import (
+from tests.server.model_tools.reference_bpe import ReferenceBpe
+from tests.server.model_tools.synthetic_gguf import tokenizer_vocabulary
+from tokenwire.server.model_tools.convert import read_gguf
+from tokenwire.server.model_tools.convert.gguf_tokenizer import (
     TOKEN_CONTROL,
     GgufVocabulary,
     UnsupportedTokenizerError,
     build_tokenizer,
     pre_tokenizer_for,
 )
-from tokenwire.server.models.tiny_tokenizer import (
+from tokenwire.server.model_tools.tiny_tokenizer import (
     END_OF_TEXT,
     TURN_END,
     TURN_START,

@@ -19,8 +19,8 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer
 
-from tests.server.models.llama_reference import ReferenceLayer, ReferenceModel
-from tokenwire.server.models.tiny_tokenizer import (
+from tests.server.model_tools.llama_reference import ReferenceLayer, ReferenceModel
+from tokenwire.server.model_tools.tiny_tokenizer import (
     CHATML_TEMPLATE,
     END_OF_TEXT,
     SPECIAL_TOKENS,

@@ -12,10 +12,10 @@ from pathlib import Path
 import numpy as np
 from tokenizers import Tokenizer
 
-from tokenwire.server.models.convert.genai_config import MODEL_FILENAME, TokenIds, write_genai_config
-from tokenwire.server.models.convert.llama_graph import build_llama_graph, save_model
-from tokenwire.server.models.convert.llama_model import LlamaConfig, LlamaLayerWeights, LlamaWeights
-from tokenwire.server.models.tiny_tokenizer import (
+from tokenwire.server.model_tools.convert.genai_config import MODEL_FILENAME, TokenIds, write_genai_config
+from tokenwire.server.model_tools.convert.llama_graph import build_llama_graph, save_model
+from tokenwire.server.model_tools.convert.llama_model import LlamaConfig, LlamaLayerWeights, LlamaWeights
+from tokenwire.server.model_tools.tiny_tokenizer import (
     CHATML_TEMPLATE,
     END_OF_TEXT,
     TURN_END,

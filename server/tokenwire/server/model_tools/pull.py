@@ -23,7 +23,7 @@ from pathlib import Path
 import platformdirs
 from tqdm import tqdm
 
-from tokenwire.server.models.convert import conversion_is_current, convert_gguf
+from tokenwire.server.model_tools.convert import conversion_is_current, convert_gguf
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 HOME_ENV = "TOKENWIRE_HOME"

@@ -10,7 +10,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize
 from onnx import TensorProto, helper, numpy_helper
 
-from tokenwire.server.models.convert.quantized import (
+from tokenwire.server.model_tools.convert.quantized import (
     QuantizedMatrix,
     block_sum_matrix,
     can_repack,
