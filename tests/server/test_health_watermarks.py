@@ -42,7 +42,14 @@ async def test_watermarks_have_hysteresis_and_never_override_the_lifecycle() -> 
         # Reported from a thread of its own, as an engine thread would.
         reporter_thread = threading.Thread(
             target=reporter.occupancy,
-            kwargs={"model": model, "queued": queued, "running": 1, "kv_slots_used": 1, "kv_slots": 1},
+            kwargs={
+                "model": model,
+                "queued": queued,
+                "running": 1,
+                "slots": 1,
+                "kv_positions_used": 1,
+                "kv_positions": 1,
+            },
         )
         reporter_thread.start()
         # The join's result comes back through the loop after the reporter's own hop to it.

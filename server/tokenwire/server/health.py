@@ -65,7 +65,9 @@ class HealthReporter(NullObserver):
 
     # -- EngineObserver (only occupancy matters to health) ----------------------------------------
 
-    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
+    def occupancy(
+        self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
+    ) -> None:
         if self._high is None or self._low is None or self._loop is None:
             return
         was_over = self._overloaded_seen.get(model, False)

@@ -42,8 +42,15 @@ class ObserverFanOut:
         for observer in self._observers:
             observer.prefill_chunk(model=model, tokens=tokens, seconds=seconds)
 
-    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
+    def occupancy(
+        self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
+    ) -> None:
         for observer in self._observers:
             observer.occupancy(
-                model=model, queued=queued, running=running, kv_slots_used=kv_slots_used, kv_slots=kv_slots
+                model=model,
+                queued=queued,
+                running=running,
+                slots=slots,
+                kv_positions_used=kv_positions_used,
+                kv_positions=kv_positions,
             )

@@ -532,9 +532,14 @@ class Engine:
     def _report_occupancy(self) -> None:
         with self._lock:
             queued = len(self._inbox.waiting)
-        running = len(self._prefilling) + len(self._decoding)
+        running = [*self._prefilling, *self._decoding.values()]
         self._observer.occupancy(
-            model=self._model, queued=queued, running=running, kv_slots_used=running, kv_slots=self._slots
+            model=self._model,
+            queued=queued,
+            running=len(running),
+            slots=self._slots,
+            kv_positions_used=sum(s.cached_positions for s in running),
+            kv_positions=self._slots * self._runner.info.context_length,
         )
 
     def _flush(self) -> None:

@@ -28,8 +28,14 @@ class EngineObserver(Protocol):
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         """One prompt chunk was processed."""
 
-    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
-        """The queue and batch after a scheduling round."""
+    def occupancy(
+        self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
+    ) -> None:
+        """The queue, the batch and the KV cache after a scheduling round.
+
+        `running` of `slots` sequences hold `kv_positions_used` of the `kv_positions` token
+        positions the KV cache has room for.
+        """
 
 
 class NullObserver:
@@ -53,5 +59,7 @@ class NullObserver:
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         return None
 
-    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
+    def occupancy(
+        self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
+    ) -> None:
         return None

@@ -66,6 +66,11 @@ class Sequence:
         return self.prefilled >= len(self.request.prompt_ids)
 
     @property
+    def cached_positions(self) -> int:
+        """Token positions this sequence holds in the KV cache (its newest token is not in yet)."""
+        return self.prefilled + max(0, len(self.output_ids) - 1)
+
+    @property
     def last_token(self) -> int:
         return self.output_ids[-1]
 

@@ -12,7 +12,7 @@ Names follow the OpenTelemetry GenAI semantic conventions where they name the th
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
@@ -30,6 +30,7 @@ DECODE_STEPS = "tokenwire.engine.decode_steps"
 QUEUE_DEPTH = "tokenwire.engine.queue.depth"
 BATCH_SIZE = "tokenwire.engine.batch.size"
 KV_CACHE_USAGE = "tokenwire.engine.kv_cache.usage"
+SLOT_USAGE = "tokenwire.engine.slots.usage"
 
 MODEL = "gen_ai.request.model"
 OUTCOME = "outcome"
@@ -81,9 +82,9 @@ class ServerMetrics:
 
     def __init__(self, meter: Meter, engines: Callable[[], Sequence[QueueSource]]) -> None:
         self._engines = engines
-        # Latest (running, kv slots used, kv slots) per model, written by each engine thread after
-        # a scheduling round and read by the collector: a dict store is atomic.
-        self._occupancy: dict[str, tuple[int, int, int]] = {}
+        # Latest occupancy per model, written by each engine thread after a scheduling round and
+        # read by the collector: a dict store is atomic.
+        self._occupancy: dict[str, _Occupancy] = {}
         self._request_duration = meter.create_histogram(
             REQUEST_DURATION,
             unit="s",
@@ -144,7 +145,15 @@ class ServerMetrics:
             KV_CACHE_USAGE,
             callbacks=[self._observe_kv_cache_usage],
             unit="1",
-            description="Fraction of KV-cache slots in use after the latest scheduling round (0 to 1).",
+            description="Fraction of the KV cache's token positions held by running sequences after the "
+            "latest scheduling round (0 to 1).",
+        )
+        meter.create_observable_gauge(
+            SLOT_USAGE,
+            callbacks=[self._observe_slot_usage],
+            unit="1",
+            description="Fraction of the batch's sequence slots in use after the latest scheduling round "
+            "(0 to 1).",
         )
 
     # -- EngineObserver (engine thread) ---------------------------------------------------------
@@ -180,8 +189,10 @@ class ServerMetrics:
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         return None
 
-    def occupancy(self, *, model: str, queued: int, running: int, kv_slots_used: int, kv_slots: int) -> None:
-        self._occupancy[model] = (running, kv_slots_used, kv_slots)
+    def occupancy(
+        self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
+    ) -> None:
+        self._occupancy[model] = _Occupancy(running, slots, kv_positions_used, kv_positions)
 
     # -- API edge (event loop) ------------------------------------------------------------------
 
@@ -196,13 +207,32 @@ class ServerMetrics:
 
     def _observe_batch_size(self, options: CallbackOptions) -> Iterable[Observation]:
         return [
-            Observation(self._occupancy.get(engine.model_name, (0, 0, 0))[0], {MODEL: engine.model_name})
+            Observation(self._latest(engine).running, {MODEL: engine.model_name})
             for engine in self._engines()
         ]
 
     def _observe_kv_cache_usage(self, options: CallbackOptions) -> Iterable[Observation]:
-        observations = []
-        for engine in self._engines():
-            _, used, total = self._occupancy.get(engine.model_name, (0, 0, engine.slots))
-            observations.append(Observation(used / total if total else 0.0, {MODEL: engine.model_name}))
-        return observations
+        return [
+            Observation(_fraction(latest.kv_positions_used, latest.kv_positions), {MODEL: engine.model_name})
+            for engine, latest in ((engine, self._latest(engine)) for engine in self._engines())
+        ]
+
+    def _observe_slot_usage(self, options: CallbackOptions) -> Iterable[Observation]:
+        return [
+            Observation(_fraction(latest.running, latest.slots), {MODEL: engine.model_name})
+            for engine, latest in ((engine, self._latest(engine)) for engine in self._engines())
+        ]
+
+    def _latest(self, engine: QueueSource) -> _Occupancy:
+        return self._occupancy.get(engine.model_name, _Occupancy(0, engine.slots, 0, 0))
+
+
+class _Occupancy(NamedTuple):
+    running: int
+    slots: int
+    kv_positions_used: int
+    kv_positions: int
+
+
+def _fraction(part: int, whole: int) -> float:
+    return part / whole if whole else 0.0
