@@ -4,6 +4,7 @@ consistent with each other, table, JSON and chart written. No assertion depends 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import math
 import re
@@ -259,3 +260,48 @@ def test_length_distribution_parses(text: str, expected: LengthDistribution) -> 
 def test_length_distribution_rejects_nonsense(text: str) -> None:
     with pytest.raises(ValueError, match=r"N|LOW"):
         LengthDistribution.parse(text)
+
+
+async def test_a_shared_prefix_lengthens_every_prompt_by_the_same_tokens(server: TokenwireServer) -> None:
+    config = small_sweep(server.port, levels=(LoadLevel("concurrency", 2),), shared_prefix_tokens=20)
+    report = await run_bench(config)
+
+    level = report.levels[0]
+    assert_consistent(level, report, 0)
+    for record in report.records[0]:
+        assert 20 + 3 <= record.prompt_tokens <= 20 + 12
+    assert "shared prefix of 20 tokens" in format_table(report)
+
+
+async def test_a_chat_turn_resends_the_conversation_so_far(server: TokenwireServer) -> None:
+    config = small_sweep(server.port, levels=(LoadLevel("concurrency", 1),), requests=7, chat_turns=3)
+    report = await run_bench(config)
+
+    records = sorted(report.records[0], key=lambda r: r.index)
+    assert [r.turn for r in records] == [0, 1, 2, 0, 1, 2, 0]
+    assert all(r.outcome == "ok" for r in records)
+    for previous, record in itertools.pairwise(records):
+        if record.turn == 0:
+            assert 3 <= record.prompt_tokens <= 12
+            continue
+        # The previous prompt and its answer, then a new question of 3..12 tokens.
+        history = previous.prompt_tokens + previous.output_tokens
+        assert history + 3 <= record.prompt_tokens <= history + 12
+        assert record.server_prompt_tokens == record.prompt_tokens
+
+
+async def test_open_loop_chats_send_every_turn_of_each_conversation(server: TokenwireServer) -> None:
+    config = small_sweep(server.port, levels=(LoadLevel("rate", 50),), requests=4, chat_turns=2, warmup=0)
+    report = await run_bench(config)
+
+    records = sorted(report.records[0], key=lambda r: r.index)
+    assert [r.turn for r in records] == [0, 1, 0, 1]
+    assert records[1].prompt_tokens > records[0].prompt_tokens + records[0].output_tokens
+
+
+def test_bench_config_refuses_a_negative_prefix_and_zero_turns() -> None:
+    level = LoadLevel("concurrency", 1)
+    with pytest.raises(ValueError, match="shared prefix"):
+        BenchConfig("127.0.0.1:1", (level,), requests=1, shared_prefix_tokens=-1)
+    with pytest.raises(ValueError, match="chat turns"):
+        BenchConfig("127.0.0.1:1", (level,), requests=1, chat_turns=0)

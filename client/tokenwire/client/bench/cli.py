@@ -51,6 +51,21 @@ def add_command(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -
     bench.add_argument(
         "--max-new-tokens", default="128", help="output length: N or uniform:LOW:HIGH (default: 128)"
     )
+    bench.add_argument(
+        "--shared-prefix-tokens",
+        type=int,
+        default=0,
+        metavar="N",
+        help="start every prompt with the same N tokens, like a shared system prompt (default: 0)",
+    )
+    bench.add_argument(
+        "--chat-turns",
+        type=int,
+        default=1,
+        metavar="K",
+        help="multi-turn chats of K turns: each turn's prompt is the conversation so far (earlier "
+        "prompts and answers) plus a new question of --prompt-tokens tokens (default: 1, no chat)",
+    )
     bench.add_argument("--unary", action="store_true", help="use unary Generate instead of streaming")
     bench.add_argument("--requests", type=int, help="requests per level")
     bench.add_argument(
@@ -119,6 +134,8 @@ def run_bench_command(args: argparse.Namespace, out: TextIO | None = None) -> in
             seed=args.seed,
             request_timeout=args.timeout,
             token=args.token,
+            shared_prefix_tokens=args.shared_prefix_tokens,
+            chat_turns=args.chat_turns,
         )
     except ValueError as error:
         print(f"tokenwire bench: {error}", file=sys.stderr)

@@ -3,6 +3,10 @@
 Every request is greedy, ignores end-of-sequence and is built from token ids, so its prompt and
 output lengths are exactly the ones drawn. The client's retries are off: a request refused with
 RESOURCE_EXHAUSTED is counted as rejected, not silently resent.
+
+Two workloads exercise a server's prefix cache: a shared prefix (every prompt starts with the
+same tokens, like a system prompt) and multi-turn chats (each turn's prompt is the whole
+conversation so far, the previous turns' prompts and answers, followed by a new question).
 """
 
 from __future__ import annotations
@@ -84,6 +88,10 @@ class BenchConfig:
     request_timeout: float = 300.0
     """gRPC deadline of each request in seconds, so a stuck server cannot hang the benchmark."""
     token: str | None = None
+    shared_prefix_tokens: int = 0
+    """Tokens every prompt starts with (the same for every request), before its drawn tokens."""
+    chat_turns: int = 1
+    """Turns per conversation; each turn resends the conversation so far. 1: independent requests."""
 
     def __post_init__(self) -> None:
         if not self.levels:
@@ -94,6 +102,10 @@ class BenchConfig:
             raise ValueError("requests per level must be at least 1")
         if self.duration is not None and self.duration <= 0:
             raise ValueError("duration must be positive")
+        if self.shared_prefix_tokens < 0:
+            raise ValueError("shared prefix tokens must not be negative")
+        if self.chat_turns < 1:
+            raise ValueError("chat turns must be at least 1")
         for level in self.levels:
             if level.value <= 0 or (level.kind == "concurrency" and level.value != int(level.value)):
                 raise ValueError(f"invalid load level {level.label}")
@@ -168,6 +180,8 @@ class _LoadGenerator:
         self._model = model
         self._ids_high = max(_FIRST_ORDINARY_TOKEN + 1, model.vocab_size)
         self._ids_low = min(_FIRST_ORDINARY_TOKEN, self._ids_high - 1)
+        prefix_rng = random.Random(f"{config.seed}:shared-prefix")
+        self._shared_prefix = self._token_ids(prefix_rng, config.shared_prefix_tokens)
 
     async def warm_up(self, count: int) -> None:
         rng = random.Random(self._config.seed - 1)
@@ -177,7 +191,7 @@ class _LoadGenerator:
         async def worker() -> None:
             while remaining:
                 index = remaining.pop()
-                await self._request(index, rng, 0.0, time.perf_counter())
+                await self._request(index, rng, 0.0, _Conversation())
 
         await asyncio.gather(*(worker() for _ in range(parallel)))
 
@@ -189,8 +203,8 @@ class _LoadGenerator:
         records: list[RequestRecord] = []
         started = time.perf_counter()
 
-        async def send(index: int) -> None:
-            record = await self._request(index, rng, time.perf_counter() - started, started)
+        async def send(index: int, conversation: _Conversation) -> None:
+            record = await self._request(index, rng, time.perf_counter() - started, conversation)
             records.append(record)
             hooks.request_finished(record)
 
@@ -205,14 +219,18 @@ class _LoadGenerator:
     async def _closed_loop(self, clients: int, started: float, send: _Send) -> None:
         # Each client sends its next request as soon as its previous one ends; the request
         # numbers are shared, so --requests bounds the level's total, not each client's.
+        # In a chat workload each client holds one conversation at a time, turn after turn.
         sent = 0
 
         async def client_loop() -> None:
             nonlocal sent
+            conversation = _Conversation()
             while self._may_send(started, sent=sent):
                 index = sent
                 sent += 1
-                await send(index)
+                if conversation.turns == self._config.chat_turns:
+                    conversation = _Conversation()
+                await send(index, conversation)
 
         await asyncio.gather(*(client_loop() for _ in range(clients)))
 
@@ -225,17 +243,25 @@ class _LoadGenerator:
     ) -> None:
         # Arrival times are fixed by the seed, not by how fast the server answers: an open loop
         # keeps sending while the server falls behind, which is what shows its queue filling.
+        # In a chat workload an arrival is a conversation, whose turns follow one another.
         in_flight: set[asyncio.Task[None]] = set()
         index = 0
         next_at = rng.expovariate(rate)
+        turns = self._config.chat_turns
+
+        async def converse(first: int) -> None:
+            conversation = _Conversation()
+            for turn in range(turns):
+                await send(first + turn, conversation)
+
         while self._may_send(started, sent=index, at=next_at):
             delay = started + next_at - time.perf_counter()
             if delay > 0:
                 await asyncio.sleep(delay)
-            task = asyncio.create_task(send(index))
+            task = asyncio.create_task(converse(index))
             in_flight.add(task)
             task.add_done_callback(in_flight.discard)
-            index += 1
+            index += turns
             next_at += rng.expovariate(rate)
         if in_flight:
             await asyncio.gather(*in_flight)
@@ -247,12 +273,18 @@ class _LoadGenerator:
         elapsed = time.perf_counter() - started if at is None else at
         return config.duration is None or elapsed < config.duration
 
+    def _token_ids(self, rng: random.Random, count: int) -> list[int]:
+        return [rng.randrange(self._ids_low, self._ids_high) for _ in range(count)]
+
     async def _request(
-        self, index: int, rng: random.Random, sent_at: float, level_started: float
+        self, index: int, rng: random.Random, sent_at: float, conversation: _Conversation
     ) -> RequestRecord:
-        prompt_tokens = self._config.prompt_tokens.draw(rng)
+        question_tokens = self._config.prompt_tokens.draw(rng)
         max_new_tokens = self._config.max_new_tokens.draw(rng)
-        prompt = [rng.randrange(self._ids_low, self._ids_high) for _ in range(prompt_tokens)]
+        question = self._token_ids(rng, question_tokens)
+        history = conversation.history or self._shared_prefix
+        prompt = [*history, *question]
+        prompt_tokens = len(prompt)
         options = GenerateOptions(
             model=self._model.name,
             sampling=Sampling(temperature=0.0),
@@ -264,30 +296,40 @@ class _LoadGenerator:
             prompt_tokens=prompt_tokens,
             max_new_tokens=max_new_tokens,
             outcome="failed",
+            turn=conversation.turns,
         )
+        conversation.turns += 1
         try:
             if self._config.streaming:
-                return await self._streamed(base, prompt, options)
-            return await self._unary(base, prompt, options)
+                record, answer = await self._streamed(base, prompt, options)
+            else:
+                record, answer = await self._unary(base, prompt, options)
         except TokenwireError as error:
             return _refused(base, error)
+        conversation.history = [*prompt, *answer]
+        return record
 
-    async def _unary(self, base: RequestRecord, prompt: list[int], options: GenerateOptions) -> RequestRecord:
+    async def _unary(
+        self, base: RequestRecord, prompt: list[int], options: GenerateOptions
+    ) -> tuple[RequestRecord, list[int]]:
         sent = time.perf_counter()
         generation = await self._client.generate(prompt, options, deadline=self._config.request_timeout)
-        return _completed(base, generation, latency=time.perf_counter() - sent)
+        return _completed(base, generation, latency=time.perf_counter() - sent), list(generation.token_ids)
 
     async def _streamed(
         self, base: RequestRecord, prompt: list[int], options: GenerateOptions
-    ) -> RequestRecord:
+    ) -> tuple[RequestRecord, list[int]]:
+        """The request's record and the token ids it generated."""
         sent = time.perf_counter()
         first_token: float | None = None
         last_chunk = sent
         gaps: list[float] = []
+        answer: list[int] = []
         events = self._client.stream(prompt, options, deadline=self._config.request_timeout)
         async for event in events:
             now = time.perf_counter()
             if isinstance(event, Chunk) and event.token_ids:
+                answer.extend(event.token_ids)
                 if first_token is None:
                     first_token = now - sent
                 else:
@@ -297,8 +339,16 @@ class _LoadGenerator:
                 raise event.error if isinstance(event.error, TokenwireError) else _wrap(event.error)
             elif isinstance(event, Completed):
                 record = _completed(base, event.generation, latency=now - sent)
-                return _with_stream_times(record, first_token, tuple(gaps))
-        return _with_error(base, "failed", "stream ended before the generation completed")
+                return _with_stream_times(record, first_token, tuple(gaps)), answer
+        return _with_error(base, "failed", "stream ended before the generation completed"), answer
+
+
+@dataclass
+class _Conversation:
+    """A chat in progress: what the next turn resends, and how many turns it has had."""
+
+    history: list[int] = field(default_factory=list)
+    turns: int = 0
 
 
 def _wrap(error: Exception) -> TokenwireError:
@@ -313,6 +363,7 @@ def _completed(base: RequestRecord, generation: Generation, *, latency: float) -
         prompt_tokens=base.prompt_tokens,
         max_new_tokens=base.max_new_tokens,
         outcome="ok",
+        turn=base.turn,
         latency=latency,
         output_tokens=generation.completion_tokens,
         server_prompt_tokens=generation.prompt_tokens,

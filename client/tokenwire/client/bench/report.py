@@ -29,6 +29,10 @@ def format_table(report: BenchReport) -> str:
         f"prompt {config.prompt_tokens.describe()} tokens, "
         f"max_new_tokens {config.max_new_tokens.describe()}, greedy"
     )
+    if config.shared_prefix_tokens:
+        header += f", every prompt after a shared prefix of {config.shared_prefix_tokens} tokens"
+    if config.chat_turns > 1:
+        header += f", chats of {config.chat_turns} turns (each resends the conversation)"
     columns = [
         "load",
         "ok",

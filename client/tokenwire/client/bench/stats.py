@@ -34,6 +34,8 @@ class RequestRecord:
     server_first_token: float | None = None
     server_prefill: float | None = None
     server_time_per_output_token: float | None = None
+    turn: int = 0
+    """The request's turn in its conversation (0 when the workload is not a chat)."""
 
 
 @dataclass(frozen=True)
