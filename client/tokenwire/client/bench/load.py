@@ -33,7 +33,7 @@ from tokenwire.client.types import (
     Stopping,
 )
 
-_Send = Callable[[int], Coroutine[object, object, None]]
+_Send = Callable[[int, "_Conversation"], Coroutine[object, object, None]]
 
 _FIRST_ORDINARY_TOKEN = 32
 """Prompt ids are drawn from [32, vocab): low ids are where vocabularies keep special tokens."""
