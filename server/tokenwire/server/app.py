@@ -57,9 +57,7 @@ class TokenwireServer:
         self._wrap_model = wrap_model
         self._server: grpc.aio.Server | None = None
         self.health = HealthReporter(HealthServicer(), ("", SERVICE_NAME), settings.health)
-        self.telemetry = Telemetry(
-            settings.telemetry, default_host=settings.host, engines=self._engines, span_exporter=span_exporter
-        )
+        self.telemetry = Telemetry(settings, engines=self._engines, span_exporter=span_exporter)
         watermarks = self.health if settings.health.queue_high_watermark is not None else None
         observers: list[EngineObserver | None] = [self.telemetry.metrics, watermarks, observer]
         self._observer = ObserverFanOut(o for o in observers if o is not None)

@@ -83,7 +83,21 @@ class TelemetrySettings:
     )
     """None: no endpoint (the library's default; `tokenwire serve` serves one)."""
     metrics_host: str | None = setting(
-        None, "address of the metrics endpoint (default: --host)", metavar="ADDRESS"
+        None,
+        "address of the metrics endpoint (default: --host; 127.0.0.1 when gRPC needs TLS or a token "
+        "and the endpoint asks for neither)",
+        metavar="ADDRESS",
+    )
+    metrics_auth: bool = setting(
+        False, "require the gRPC bearer token on the metrics endpoint too (Authorization: Bearer)"
+    )
+    metrics_tls: bool = setting(
+        False, "serve the metrics endpoint over TLS with --tls-cert/--tls-key (and --tls-client-ca)"
+    )
+    metrics_cache_seconds: float = setting(
+        1.0,
+        "seconds a rendered metrics page is reused, so frequent scrapes cost no rendering (0: never)",
+        minimum=0,
     )
     otlp_endpoint: str | None = setting(
         None,
@@ -240,9 +254,28 @@ class ServerSettings:
         problems: list[str] = []
         if telemetry.metrics_port not in (None, 0) and telemetry.metrics_port == self.port:
             problems.append(f"--metrics-port: {telemetry.metrics_port} is also the gRPC --port")
+        if telemetry.metrics_auth and not self.auth.enabled:
+            problems.append("--metrics-auth: needs --auth-tokens-file or TOKENWIRE_AUTH_TOKENS")
+        if telemetry.metrics_tls and not self.tls.enabled:
+            problems.append("--metrics-tls: needs --tls-cert and --tls-key")
         if telemetry.otlp_metrics and not telemetry.otlp_endpoint:
             problems.append("--otlp-metrics: needs --otlp-endpoint")
         return problems
+
+    @property
+    def metrics_address(self) -> str:
+        """Where the metrics endpoint listens: --metrics-host, else somewhere no more open than gRPC.
+
+        When gRPC needs TLS or a token and the endpoint asks for neither, an endpoint on --host
+        would hand anyone who reaches the gRPC port what the gRPC port keeps from them (model
+        names, traffic), so it listens on loopback unless --metrics-host says otherwise.
+        """
+        telemetry = self.telemetry
+        if telemetry.metrics_host:
+            return telemetry.metrics_host
+        grpc_closed = self.auth.enabled or self.tls.enabled
+        endpoint_closed = telemetry.metrics_auth or telemetry.metrics_tls
+        return "127.0.0.1" if grpc_closed and not endpoint_closed else self.host
 
     def _tls_problems(self) -> list[str]:
         tls = self.tls

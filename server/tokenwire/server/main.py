@@ -44,8 +44,11 @@ async def serve(settings: ServerSettings) -> int:
         log.error("%s", error)
         return 1
     if server.metrics_port is not None:
-        host = settings.telemetry.metrics_host or settings.host
-        print(f"tokenwire: metrics on http://{host}:{server.metrics_port}/metrics", flush=True)
+        scheme = "https" if settings.telemetry.metrics_tls else "http"
+        print(
+            f"tokenwire: metrics on {scheme}://{settings.metrics_address}:{server.metrics_port}/metrics",
+            flush=True,
+        )
     loading = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop_requested.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -23,7 +23,8 @@ BY_MODEL = {"gen_ai_request_model": MODEL}
 
 
 def with_metrics(**overrides: object) -> TelemetrySettings:
-    return TelemetrySettings(metrics_port=0, **overrides)  # type: ignore[arg-type]
+    # Every scrape renders afresh: these tests read numbers right after the requests that made them.
+    return TelemetrySettings(metrics_port=0, metrics_cache_seconds=0, **overrides)  # type: ignore[arg-type]
 
 
 async def test_histograms_and_counters_agree_with_the_response_timing(tiny_model_dir: Path) -> None:

@@ -9,9 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from wsgiref.simple_server import WSGIServer
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
@@ -19,11 +17,18 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricReader, Perio
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 
-from tokenwire.server.config import TelemetrySettings
+from tokenwire.server.config import ServerSettings
 from tokenwire.server.telemetry.access_log import AccessLog
 from tokenwire.server.telemetry.metrics import QueueSource, ServerMetrics
+from tokenwire.server.telemetry.metrics_endpoint import (
+    METRICS_PATH,
+    MetricsEndpoint,
+    RenderedPage,
+    TokenCheck,
+    tls_context,
+)
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.server.telemetry.tracing import RequestTracer
 
@@ -31,7 +36,6 @@ log = logging.getLogger(__name__)
 
 INSTRUMENTATION_SCOPE = "tokenwire.server"
 OTLP_EXPORTER_MODULE = "opentelemetry.exporter.otlp.proto.grpc"
-METRICS_PATH = "/metrics"
 
 
 def otlp_exporter_installed() -> bool:
@@ -43,16 +47,18 @@ class Telemetry:
 
     def __init__(
         self,
-        settings: TelemetrySettings,
+        server_settings: ServerSettings,
         *,
-        default_host: str,
         engines: Callable[[], Sequence[QueueSource]],
         span_exporter: SpanExporter | None = None,
     ) -> None:
+        settings = server_settings.telemetry
+        self._server_settings = server_settings
         self._settings = settings
-        self._host = settings.metrics_host or default_host
+        self._host = server_settings.metrics_address
         self._registry: CollectorRegistry | None = None
-        self._endpoint: tuple[WSGIServer, threading.Thread] | None = None
+        self._endpoint: MetricsEndpoint | None = None
+        self.metrics_page: RenderedPage | None = None
         self.metrics_port: int | None = None
         """The port /metrics is served on once started; None when there is no endpoint."""
         resource = Resource.create({"service.name": settings.service_name})
@@ -96,24 +102,38 @@ class Telemetry:
         port = self._settings.metrics_port
         if self._registry is None or port is None:
             return
+        server = self._server_settings
+        self.metrics_page = RenderedPage(self._registry, self._settings.metrics_cache_seconds)
+        tokens = TokenCheck(server.auth.tokens) if self._settings.metrics_auth else None
+        tls = None
+        if self._settings.metrics_tls:
+            assert server.tls.cert is not None and server.tls.key is not None
+            client_ca = None if server.tls.client_ca is None else str(server.tls.client_ca)
+            tls = tls_context(str(server.tls.cert), str(server.tls.key), client_ca)
         try:
-            server, thread = start_http_server(port, addr=self._host, registry=self._registry)
+            endpoint = MetricsEndpoint(self.metrics_page, self._host, port, tokens=tokens, tls=tls)
         except OSError as error:
             raise OSError(
                 f"--metrics-port: cannot listen on {self._host}:{port}: {error.strerror or error}"
             ) from error
-        self._endpoint = (server, thread)
-        self.metrics_port = server.server_port
-        log.info("metrics on http://%s:%d%s", self._host, self.metrics_port, METRICS_PATH)
+        endpoint.start()
+        self._endpoint = endpoint
+        self.metrics_port = endpoint.port
+        scheme = "https" if tls is not None else "http"
+        log.info(
+            "metrics on %s://%s:%d%s%s",
+            scheme,
+            self._host,
+            self.metrics_port,
+            METRICS_PATH,
+            " (bearer token required)" if tokens is not None else "",
+        )
 
     def shutdown(self) -> None:
         """Close the endpoint and flush every exporter; blocking (call it off the event loop)."""
         if self._endpoint is not None:
-            server, thread = self._endpoint
-            self._endpoint = None
-            server.shutdown()
-            server.server_close()
-            thread.join()
+            endpoint, self._endpoint = self._endpoint, None
+            endpoint.stop()
         if self._meter_provider is not None:
             self._meter_provider.shutdown()
             self._meter_provider = None
