@@ -19,11 +19,7 @@ import numpy as np
 import onnxruntime as ort
 
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
-
-_NUMPY_TYPES: dict[str, np.dtype[np.floating]] = {
-    "tensor(float)": np.dtype(np.float32),
-    "tensor(float16)": np.dtype(np.float16),
-}
+from tokenwire.server.models.session import FLOAT_TENSOR_TYPES, run_bound
 
 
 @dataclass(frozen=True)
@@ -48,7 +44,7 @@ class OptimumLayout:
         _, kv_heads, _, head_dim = first.shape
         if not isinstance(kv_heads, int) or not isinstance(head_dim, int):
             raise ValueError("past_key_values must have static head and head_dim dimensions")
-        kv_dtype = _NUMPY_TYPES.get(first.type)
+        kv_dtype = FLOAT_TENSOR_TYPES.get(first.type)
         if kv_dtype is None:
             raise ValueError(f"unsupported KV cache type {first.type}")
         return cls(layers, kv_heads, head_dim, kv_dtype, "position_ids" in inputs)
@@ -181,10 +177,7 @@ class OptimumRunner:
         binding.bind_output("logits", "cpu")
         for name in self._present_names:
             binding.bind_output(name, self._device)
-        try:
-            self._session.run_with_iobinding(binding)
-        except Exception as error:  # ONNX Runtime raises plain RuntimeError/Fail subclasses
-            raise ModelRunnerError(f"model step failed: {error}") from error
+        run_bound(self._session, binding)
         outputs = binding.get_outputs()
         return outputs[0].numpy(), list(outputs[1:])
 

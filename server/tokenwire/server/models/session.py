@@ -7,7 +7,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import numpy as np
 import onnxruntime as ort
+
+from tokenwire.server.models.runner import ModelRunnerError
 
 log = logging.getLogger(__name__)
 
@@ -15,6 +18,12 @@ Device = Literal["auto", "cpu", "cuda"]
 
 CPU_PROVIDER = "CPUExecutionProvider"
 CUDA_PROVIDER = "CUDAExecutionProvider"
+
+FLOAT_TENSOR_TYPES: dict[str, np.dtype[np.floating]] = {
+    "tensor(float)": np.dtype(np.float32),
+    "tensor(float16)": np.dtype(np.float16),
+}
+"""The NumPy dtype of each ONNX float tensor type a runner can hold its KV cache and logits in."""
 
 
 @dataclass(frozen=True)
@@ -42,6 +51,14 @@ def choose_provider(device: Device) -> str:
 def ort_device_name(provider: str) -> str:
     """The device name ONNX Runtime's IO binding uses for a provider's memory."""
     return "cuda" if provider == CUDA_PROVIDER else "cpu"
+
+
+def run_bound(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
+    """Run one model step on bound inputs and outputs; a failure is a ModelRunnerError."""
+    try:
+        session.run_with_iobinding(binding)
+    except Exception as error:  # ONNX Runtime raises plain RuntimeError and its Fail subclasses
+        raise ModelRunnerError(f"model step failed: {error}") from error
 
 
 def create_session(model_path: Path, settings: SessionSettings) -> ort.InferenceSession:

@@ -31,13 +31,9 @@ import numpy as np
 import onnxruntime as ort
 
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
+from tokenwire.server.models.session import FLOAT_TENSOR_TYPES, run_bound
 
 _MASK_WIDTH_STEP = 64
-
-_ELEMENT_TYPES: dict[str, np.dtype[np.floating]] = {
-    "tensor(float)": np.dtype(np.float32),
-    "tensor(float16)": np.dtype(np.float16),
-}
 
 
 @dataclass(frozen=True)
@@ -71,8 +67,8 @@ class SharedKvLayout:
         if missing:
             raise ValueError(f"GenAI model is missing graph inputs/outputs: {', '.join(missing)}")
         first = inputs[past[0]]
-        kv_dtype = _ELEMENT_TYPES.get(first.type)
-        logits_dtype = _ELEMENT_TYPES.get(outputs["logits"].type)
+        kv_dtype = FLOAT_TENSOR_TYPES.get(first.type)
+        logits_dtype = FLOAT_TENSOR_TYPES.get(outputs["logits"].type)
         if kv_dtype is None or logits_dtype is None:
             raise ValueError(f"unsupported tensor types: KV {first.type}, logits {outputs['logits'].type}")
         kv_heads = int(str(decoder.get("num_key_value_heads", first.shape[1])))
@@ -198,7 +194,7 @@ class SharedKvRunner:
         binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
         binding.bind_output("logits", "cpu")
         self._bind_kv(binding, first_slot=slot, rows=1)
-        self._run(binding)
+        run_bound(self._session, binding)
         self._lengths[slot] = total
         logits = binding.get_outputs()[0].numpy()
         return np.asarray(logits[0, -1], dtype=np.float32)
@@ -235,7 +231,7 @@ class SharedKvRunner:
             self._bind_kv(binding, first_slot=0, rows=rows)
             self._bound_rows = rows
         binding.bind_input("attention_mask", "cpu", 0, np.int64, [rows, width], mask.ctypes.data)
-        self._run(binding)
+        run_bound(self._session, binding)
         self._lengths[slots] += 1
         if self._logits.dtype == np.float32 and np.array_equal(slots, self._positions[: len(slots)]):
             # Rows already in slot order: hand out the bound buffer itself, no copy (the caller
@@ -305,9 +301,3 @@ class SharedKvRunner:
         ):
             binding.bind_input(past, kv.device, kv.device_id, kv.dtype, shape, pointer + offset)
             binding.bind_output(present, kv.device, kv.device_id, kv.dtype, shape, pointer + offset)
-
-    def _run(self, binding: ort.IOBinding) -> None:
-        try:
-            self._session.run_with_iobinding(binding)
-        except Exception as error:
-            raise ModelRunnerError(f"model step failed: {error}") from error
