@@ -38,6 +38,7 @@ SUMMARY_FIELDS = (
     "inter_token_latency",
     "time_per_output_token",
     "latency",
+    "server_paced",
 )
 
 

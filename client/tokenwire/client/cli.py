@@ -176,6 +176,18 @@ def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1000:.1f} ms"
 
 
+def _prefill_text(generation: Generation) -> str:
+    t = generation.timing
+    cached = generation.cached_prompt_tokens
+    processed = generation.prompt_tokens - cached
+    text = f"prefill of {processed} prompt tokens: {_ms(t.prefill)}"
+    if cached:
+        text += f"; {cached} more from the prefix cache"
+    if t.paced:
+        text += f"; {_ms(t.paced)} paced behind other requests"
+    return text
+
+
 def _print_timeline(
     generation: Generation,
     client_first_token: float | None,
@@ -188,8 +200,7 @@ def _print_timeline(
         "--- timeline (server clock, from receipt of the request) ---",
         f"validated   accepted at queue position {queue_position}",
         f"queued      {_ms(t.queued)} waiting for a slot",
-        f"first token {_ms(t.time_to_first_token)} after receipt (prefill of {generation.prompt_tokens} "
-        f"prompt tokens: {_ms(t.prefill)})",
+        f"first token {_ms(t.time_to_first_token)} after receipt ({_prefill_text(generation)})",
         f"decoding    {t.decode_tokens_per_second:.1f} tokens/s ({_ms(t.time_per_output_token)} per token)",
         f"total       {_ms(t.total)} for {generation.completion_tokens} tokens, "
         f"finish {generation.finish_reason.value}",

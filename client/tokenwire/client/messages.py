@@ -78,6 +78,7 @@ def generation(message: pb.GenerateResponse) -> Generation:
         finish_reason=_FINISH.get(message.finish_reason, FinishReason.UNSPECIFIED),
         prompt_tokens=message.usage.prompt_tokens,
         completion_tokens=message.usage.completion_tokens,
+        cached_prompt_tokens=message.usage.cached_prompt_tokens,
         timing=timing(message.timing),
         logprobs=tuple(logprob(lp) for lp in message.logprobs),
     )
@@ -95,6 +96,7 @@ def timing(message: pb.Timing) -> Timing:
         time_per_output_token=(
             _seconds(message.time_per_output_token) if message.HasField("time_per_output_token") else None
         ),
+        paced=_seconds(message.paced) if message.HasField("paced") else None,
     )
 
 

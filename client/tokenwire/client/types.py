@@ -62,6 +62,8 @@ class Timing:
     total: float
     decode_tokens_per_second: float
     time_per_output_token: float | None
+    paced: float | None = None
+    """Before the first token, time the prompt waited while other requests ran (after `queued`)."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,8 @@ class Generation:
     completion_tokens: int
     timing: Timing
     logprobs: tuple[TokenLogprob, ...] = ()
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the server took from its prefix cache instead of processing them."""
 
 
 @dataclass(frozen=True)

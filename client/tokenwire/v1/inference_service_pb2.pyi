@@ -304,19 +304,25 @@ class Usage(_message.Message):
 
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt after tokenization or chat-template rendering."""
     completion_tokens: _builtins.int
     """Tokens the model generated, including any end-of-sequence token and tokens of a stop string."""
+    cached_prompt_tokens: _builtins.int
+    """Of prompt_tokens, those whose KV cache was copied from the server's prefix cache (an earlier
+    request's identical prompt prefix) instead of being processed. 0 when nothing was cached.
+    """
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
+        cached_prompt_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -336,6 +342,7 @@ class Timing(_message.Message):
     TOTAL_FIELD_NUMBER: _builtins.int
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     TIME_PER_OUTPUT_TOKEN_FIELD_NUMBER: _builtins.int
+    PACED_FIELD_NUMBER: _builtins.int
     decode_tokens_per_second: _builtins.float
     """Tokens generated after the first one, per second of decoding after the first token.
     0 when fewer than two tokens were generated.
@@ -346,11 +353,13 @@ class Timing(_message.Message):
 
     @_builtins.property
     def time_to_first_token(self) -> _duration_pb2.Duration:
-        """Time from receipt until the first generated token was ready (queued + prefill)."""
+        """Time from receipt until the first generated token was ready (queued + paced + prefill)."""
 
     @_builtins.property
     def prefill(self) -> _duration_pb2.Duration:
-        """Time from the start of work until the first token was ready: processing the prompt."""
+        """Time the server spent processing the prompt: the tokens not found in the prefix cache, plus
+        copying the cached prefix's KV cache (see Usage.cached_prompt_tokens).
+        """
 
     @_builtins.property
     def total(self) -> _duration_pb2.Duration:
@@ -362,6 +371,14 @@ class Timing(_message.Message):
         tokens were generated.
         """
 
+    @_builtins.property
+    def paced(self) -> _duration_pb2.Duration:
+        """Time after work on the request began (after `queued`) and before its first token that its
+        prompt waited while other requests ran: their decode steps, which the server interleaves
+        with a long prompt so their streams keep flowing, and other prompts ahead of it. Unset when
+        no first token was produced.
+        """
+
     def __init__(
         self,
         *,
@@ -371,10 +388,11 @@ class Timing(_message.Message):
         total: _duration_pb2.Duration | None = ...,
         decode_tokens_per_second: _builtins.float = ...,
         time_per_output_token: _duration_pb2.Duration | None = ...,
+        paced: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["prefill", b"prefill", "queued", b"queued", "time_per_output_token", b"time_per_output_token", "time_to_first_token", b"time_to_first_token", "total", b"total"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["paced", b"paced", "prefill", b"prefill", "queued", b"queued", "time_per_output_token", b"time_per_output_token", "time_to_first_token", b"time_to_first_token", "total", b"total"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "prefill", b"prefill", "queued", b"queued", "time_per_output_token", b"time_per_output_token", "time_to_first_token", b"time_to_first_token", "total", b"total"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_tokens_per_second", b"decode_tokens_per_second", "paced", b"paced", "prefill", b"prefill", "queued", b"queued", "time_per_output_token", b"time_per_output_token", "time_to_first_token", b"time_to_first_token", "total", b"total"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

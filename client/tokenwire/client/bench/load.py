@@ -371,6 +371,8 @@ def _completed(base: RequestRecord, generation: Generation, *, latency: float) -
         server_first_token=timing.time_to_first_token,
         server_prefill=timing.prefill,
         server_time_per_output_token=timing.time_per_output_token,
+        cached_prompt_tokens=generation.cached_prompt_tokens,
+        server_paced=timing.paced,
     )
 
 

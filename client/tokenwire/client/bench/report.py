@@ -51,6 +51,7 @@ def format_table(report: BenchReport) -> str:
         "E2E p99",
         "output tok/s",
         "req/s",
+        "cached",
     ]
     rows = [_row(level) for level in report.levels]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
@@ -62,7 +63,8 @@ def format_table(report: BenchReport) -> str:
         *(_markdown_row(row, widths) for row in rows),
         "",
         "times in ms; TTFT, ITL and E2E measured by this client from the moment it sent the request; "
-        "queued and server TTFT are the server's own timing fields (from receipt).",
+        "queued and server TTFT are the server's own timing fields (from receipt); cached: share of "
+        "prompt tokens the server took from its prefix cache.",
     ]
     return "\n".join(lines)
 
@@ -86,6 +88,7 @@ def _row(level: LevelSummary) -> list[str]:
         _ms(level.latency, "p99"),
         f"{level.output_tokens_per_second:.1f}",
         f"{level.requests_per_second:.2f}",
+        f"{100 * level.cached_prompt_tokens / level.prompt_tokens:.0f}%" if level.prompt_tokens else "-",
     ]
 
 

@@ -36,6 +36,10 @@ class RequestRecord:
     server_time_per_output_token: float | None = None
     turn: int = 0
     """The request's turn in its conversation (0 when the workload is not a chat)."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the server took from its prefix cache."""
+    server_paced: float | None = None
+    """Server time between the start of work and the first token spent waiting on other requests."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,13 @@ class LevelSummary:
     time_per_output_token: Summary | None
     """Per request: (latency - first token) / (tokens - 1), client-side, streaming only."""
     latency: Summary | None
+    server_paced: Summary | None = None
+    prompt_tokens: int = 0
+    """Prompt tokens of the completed requests."""
+    cached_prompt_tokens: int = 0
+    """Of those, tokens the server took from its prefix cache."""
+    server_prefill_seconds: float = 0.0
+    """Server prefill time summed over the completed requests."""
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -147,4 +158,8 @@ def summarize_level(level: LoadLevel, records: Sequence[RequestRecord], wall_sec
         inter_token_latency=summarize(gap for r in ok for gap in r.token_gaps),
         time_per_output_token=summarize(time_per_output_token(r) for r in ok),
         latency=summarize(r.latency for r in ok),
+        server_paced=summarize(r.server_paced for r in ok),
+        prompt_tokens=sum(r.prompt_tokens for r in ok),
+        cached_prompt_tokens=sum(r.cached_prompt_tokens for r in ok),
+        server_prefill_seconds=sum(r.server_prefill or 0.0 for r in ok),
     )

@@ -58,7 +58,11 @@ def generate_response(result: GenerationResult, *, include_outputs: bool = True)
         request_id=result.request_id,
         model=result.model,
         finish_reason=_FINISH_REASONS[result.finish_reason],
-        usage=pb.Usage(prompt_tokens=result.prompt_tokens, completion_tokens=result.completion_tokens),
+        usage=pb.Usage(
+            prompt_tokens=result.prompt_tokens,
+            completion_tokens=result.completion_tokens,
+            cached_prompt_tokens=result.cached_prompt_tokens,
+        ),
         timing=timing(result.timing),
     )
     if include_outputs:
@@ -80,6 +84,8 @@ def timing(report: TimingReport) -> pb.Timing:
         message.prefill.CopyFrom(duration(report.prefill))
     if report.time_per_output_token is not None:
         message.time_per_output_token.CopyFrom(duration(report.time_per_output_token))
+    if report.paced is not None:
+        message.paced.CopyFrom(duration(report.paced))
     return message
 
 

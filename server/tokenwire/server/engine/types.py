@@ -117,6 +117,9 @@ class TimingReport:
     prefill: float | None = None
     decode_tokens_per_second: float = 0.0
     time_per_output_token: float | None = None
+    paced: float | None = None
+    """Between the start of work and the first token, the time the prompt waited while other
+    requests ran (their decode steps, other prompts): time_to_first_token = queued + paced + prefill."""
 
 
 @dataclass(frozen=True)
@@ -129,6 +132,8 @@ class GenerationResult:
     prompt_tokens: int
     timing: TimingReport
     logprobs: tuple[TokenLogprobs, ...] = ()
+    cached_prompt_tokens: int = 0
+    """Prompt tokens whose KV cache came from the prefix cache instead of a prefill."""
 
     @property
     def completion_tokens(self) -> int:
