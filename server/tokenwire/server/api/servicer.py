@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
 from typing import TypeAlias
 
 import grpc
 
 from tokenwire.server.api import convert, errors
+from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.stream import StreamSession
 from tokenwire.server.engine.errors import GenerationError
@@ -38,34 +37,26 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._lifecycle = lifecycle
         self._clock = clock
         self._telemetry = telemetry or RequestTelemetry(clock=clock)
+        self._admission = Admission(registry, lifecycle, self._telemetry)
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
         received = self._clock()
-        record = self._telemetry.begin("Generate", context.invocation_metadata(), received)
-        if isinstance(request, UndecodableRequest):
-            record.refused(request.error())
-            await errors.abort(context, request.error())
-        spec = convert.request_spec(request)
-        if not spec.request_id:
-            spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
-        record.describe(spec)
-        outcome: asyncio.Future[EngineEvent] = asyncio.get_running_loop().create_future()
+        outcome: asyncio.Future[Completed | Failed] = asyncio.get_running_loop().create_future()
 
-        def finish(event: EngineEvent) -> None:
-            record.observe(event)
+        def collect(event: EngineEvent) -> None:
             if isinstance(event, Completed | Failed) and not outcome.done():
                 outcome.set_result(event)
 
         try:
-            self._lifecycle.check_accepting()
-            served = self._registry.resolve(spec.model)
-            record.resolved(served.name)
-            validated = served.validator.validate(
-                spec, received_at=received, call_deadline=_call_deadline(context, received)
+            admitted = self._admission.admit(
+                "Generate",
+                context.invocation_metadata(),
+                request,
+                received=received,
+                call_deadline=_call_deadline(context, received),
+                on_event=collect,
             )
-            ticket = served.engine.submit(validated, finish)
         except GenerationError as error:
-            record.refused(error)
             await errors.abort(context, error)
             raise  # unreachable: abort raises
         try:
@@ -76,7 +67,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             reason = (
                 AbortReason.DEADLINE if remaining is not None and remaining <= 0 else AbortReason.DISCONNECTED
             )
-            served.engine.abort(ticket.key, reason)
+            admitted.engine.abort(admitted.key, reason)
             raise
         if isinstance(event, Failed):
             await errors.abort(context, event.error)
@@ -94,12 +85,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             self._telemetry.begin("StreamGenerate", metadata, received).refused(error)
             await errors.abort(context, error)
         session = StreamSession(
-            self._registry,
-            self._lifecycle,
-            self._clock,
-            _call_deadline(context, received),
-            telemetry=self._telemetry,
-            metadata=metadata,
+            self._admission, self._clock, _call_deadline(context, received), self._telemetry, metadata
         )
         async for message in session.run(request_iterator):
             yield message

@@ -12,48 +12,36 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
 
 from tokenwire.server.api import convert
+from tokenwire.server.api.admission import Admission, Admitted
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.errors import status_proto
-from tokenwire.server.engine.engine import Engine
-from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
-from tokenwire.server.engine.registry import ModelRegistry
+from tokenwire.server.engine.errors import FieldViolation, GenerationError
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
-from tokenwire.server.lifecycle import Lifecycle
-from tokenwire.server.telemetry.requests import RequestRecord, RequestTelemetry
+from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.server.telemetry.tracing import Metadata
 from tokenwire.v1 import inference_service_pb2 as pb
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class _Live:
-    engine: Engine
-    key: int
-
-
 class StreamSession:
     def __init__(
         self,
-        registry: ModelRegistry,
-        lifecycle: Lifecycle,
+        admission: Admission,
         clock: Callable[[], float],
         call_deadline: float | None,
-        *,
-        telemetry: RequestTelemetry | None = None,
-        metadata: Metadata | None = None,
+        telemetry: RequestTelemetry,
+        metadata: Metadata | None,
     ) -> None:
-        self._registry = registry
-        self._lifecycle = lifecycle
+        self._admission = admission
         self._clock = clock
         self._call_deadline = call_deadline
-        self._telemetry = telemetry or RequestTelemetry(clock=clock)
+        self._telemetry = telemetry
         self._metadata = metadata
         self._outbox: asyncio.Queue[pb.StreamGenerateResponse | None] = asyncio.Queue()
-        self._live: dict[str, _Live] = {}
+        self._live: dict[str, Admitted] = {}
         self._half_closed = False
         self._reader_error: BaseException | None = None
 
@@ -106,42 +94,29 @@ class StreamSession:
             self._outbox.put_nowait(None)  # wake the writer so it can notice
 
     def _start(self, message: pb.GenerateRequest) -> None:
-        received = self._clock()
-        record = self._telemetry.begin("StreamGenerate", self._metadata, received)
         request_id = message.request_id
         try:
-            spec = convert.request_spec(message)
-            record.describe(spec)
-            if request_id and request_id in self._live:
-                raise GenerationError(
-                    ErrorKind.INVALID_ARGUMENT,
-                    f"request_id {request_id!r} is already live on this stream; that generation continues",
-                    violations=(
-                        FieldViolation("request_id", "already used by a live request of this stream"),
-                    ),
-                    reason="DUPLICATE_REQUEST_ID",
-                )
-            self._lifecycle.check_accepting()
-            served = self._registry.resolve(spec.model)
-            record.resolved(served.name)
-            request = served.validator.validate(
-                spec, received_at=received, call_deadline=self._call_deadline, require_request_id=True
+            admitted = self._admission.admit(
+                "StreamGenerate",
+                self._metadata,
+                message,
+                received=self._clock(),
+                call_deadline=self._call_deadline,
+                on_event=lambda event: self._deliver(request_id, event),
+                live_ids=self._live,
             )
-            ticket = served.engine.submit(request, lambda event: self._deliver(request_id, record, event))
         except GenerationError as error:
-            record.refused(error)
             self._outbox.put_nowait(_error_event(request_id, error))
             return
-        self._live[request_id] = _Live(served.engine, ticket.key)
-        self._outbox.put_nowait(convert.queued_event(request_id, ticket.queue_position))
+        self._live[request_id] = admitted
+        self._outbox.put_nowait(convert.queued_event(request_id, admitted.queue_position))
 
     def _cancel(self, request_id: str) -> None:
         live = self._live.get(request_id)
         if live is not None:
             live.engine.abort(live.key, AbortReason.CANCELLED)
 
-    def _deliver(self, request_id: str, record: RequestRecord, event: EngineEvent) -> None:
-        record.observe(event)
+    def _deliver(self, request_id: str, event: EngineEvent) -> None:
         if isinstance(event, Failed):
             self._live.pop(request_id, None)
             self._outbox.put_nowait(_error_event(request_id, event.error))

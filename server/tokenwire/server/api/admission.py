@@ -1,0 +1,97 @@
+"""Admission: one generation request from its arrival to the engine's queue, or to its refusal.
+
+Generate and StreamGenerate admit a request the same way: start its telemetry record, convert
+it, check that the server takes work, resolve the model, validate the request against it and
+submit it. A refusal at any step is recorded and raised as a GenerationError; each RPC answers
+it in its own way (a status for Generate, an error event on the stream).
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Container
+from dataclasses import dataclass, replace
+
+from tokenwire.server.api import convert
+from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.engine.engine import Engine
+from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
+from tokenwire.server.engine.registry import ModelRegistry
+from tokenwire.server.engine.types import EngineEvent
+from tokenwire.server.lifecycle import Lifecycle
+from tokenwire.server.telemetry.requests import RequestTelemetry
+from tokenwire.server.telemetry.tracing import Metadata
+from tokenwire.v1 import inference_service_pb2 as pb
+
+
+@dataclass(frozen=True)
+class Admitted:
+    """A request in the engine's queue."""
+
+    request_id: str
+    engine: Engine
+    key: int
+    """The engine's handle for aborting it."""
+    queue_position: int
+
+
+class Admission:
+    def __init__(self, registry: ModelRegistry, lifecycle: Lifecycle, telemetry: RequestTelemetry) -> None:
+        self._registry = registry
+        self._lifecycle = lifecycle
+        self._telemetry = telemetry
+
+    def admit(
+        self,
+        method: str,
+        metadata: Metadata | None,
+        message: pb.GenerateRequest | UndecodableRequest,
+        *,
+        received: float,
+        call_deadline: float | None,
+        on_event: Callable[[EngineEvent], None],
+        live_ids: Container[str] | None = None,
+    ) -> Admitted:
+        """Queue `message`, or record and raise why not. `on_event` gets each of its events.
+
+        live_ids: for a request on a stream, the ids live on that stream; the request must carry
+        an id that is not among them. Without it (a unary call) a missing id is made up.
+        """
+        record = self._telemetry.begin(method, metadata, received)
+
+        def observed(event: EngineEvent) -> None:
+            record.observe(event)
+            on_event(event)
+
+        try:
+            if isinstance(message, UndecodableRequest):
+                raise message.error()
+            spec = convert.request_spec(message)
+            if live_ids is None and not spec.request_id:
+                spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
+            record.describe(spec)
+            if live_ids is not None and spec.request_id and spec.request_id in live_ids:
+                raise _duplicate_id(spec.request_id)
+            self._lifecycle.check_accepting()
+            served = self._registry.resolve(spec.model)
+            record.resolved(served.name)
+            request = served.validator.validate(
+                spec,
+                received_at=received,
+                call_deadline=call_deadline,
+                require_request_id=live_ids is not None,
+            )
+            ticket = served.engine.submit(request, observed)
+        except GenerationError as error:
+            record.refused(error)
+            raise
+        return Admitted(spec.request_id, served.engine, ticket.key, ticket.queue_position)
+
+
+def _duplicate_id(request_id: str) -> GenerationError:
+    return GenerationError(
+        ErrorKind.INVALID_ARGUMENT,
+        f"request_id {request_id!r} is already live on this stream; that generation continues",
+        violations=(FieldViolation("request_id", "already used by a live request of this stream"),),
+        reason="DUPLICATE_REQUEST_ID",
+    )
