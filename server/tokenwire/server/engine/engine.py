@@ -257,6 +257,17 @@ class Engine:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
 
+    def run_round(self) -> None:
+        """Run one scheduling round on the calling thread and deliver its events before returning.
+
+        The seam for deterministic scheduler tests (a fake runner, a manual clock): they drive an
+        engine that was never started, round by round, where the engine thread loops over the
+        same rounds. A round with nothing to do does nothing instead of waiting for work.
+        """
+        if self._thread is not None:
+            raise RuntimeError("run_round drives an engine that was never started")
+        self._schedule_round(wait_for_work=False)
+
     def _retry_after_locked(self) -> float:
         # Time for the queue ahead to reach a slot: each batch of `slots` requests takes about one
         # average service time. Clamped so clients neither hammer nor give up.
@@ -274,10 +285,11 @@ class Engine:
             self._fail_everything(GenerationError(ErrorKind.INTERNAL, "engine failure"))
             raise
 
-    def _schedule_round(self) -> bool:
+    def _schedule_round(self, *, wait_for_work: bool = True) -> bool:
         with self._lock:
             while (
-                not self._stopping
+                wait_for_work
+                and not self._stopping
                 and not self._inbox.waiting
                 and not self._inbox.aborts
                 and not self._prefilling
@@ -548,7 +560,10 @@ class Engine:
         batch, self._outbox = self._outbox, []
         with self._lock:
             idle = not self._inbox.live
-        if loop is None or not batch:
+        if not batch:
+            return
+        if loop is None:  # never started: run_round delivers on the calling thread
+            self._deliver(batch, idle)
             return
         # A closed event loop means nobody is listening any more.
         with contextlib.suppress(RuntimeError):

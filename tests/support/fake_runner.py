@@ -1,0 +1,98 @@
+"""A model runner with no model, and a clock that moves only when told: for scheduler tests.
+
+This is the one place the tests fake the model. The scheduler's promises (who is admitted when,
+how much prompt work a round does, when deadlines and aborts land) are about the order of runner
+calls and the times on a clock, not about what a network computes, so a runner that returns
+fixed logits and records every call lets a test drive the engine round by round
+(`Engine.run_round`) and check those promises exactly, with no ONNX Runtime and no sleeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from tokenwire.server.models.runner import ModelInfo
+
+
+class ManualClock:
+    """Monotonic seconds that advance only when the test says so."""
+
+    def __init__(self, start: float = 100.0) -> None:
+        self.now = start
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+@dataclass(frozen=True)
+class PrefillCall:
+    seq_id: int
+    start: int
+    tokens: int
+
+
+@dataclass
+class FixedLogitsRunner:
+    """A deterministic ModelRunner: every step predicts `token`, and every call is recorded.
+
+    `clock` and `step_seconds` make each prefill chunk and decode step take that long on the
+    manual clock; `during_decode` runs inside each decode step, as work on the event loop would
+    while the engine thread is busy in the model.
+    """
+
+    vocab_size: int
+    token: int
+    slots: int = 8
+    context_length: int = 256
+    eos_token_ids: frozenset[int] = frozenset()
+    clock: ManualClock | None = None
+    step_seconds: float = 0.0
+    during_decode: Callable[[], None] | None = None
+    prefills: list[PrefillCall] = field(default_factory=list)
+    decodes: list[tuple[int, ...]] = field(default_factory=list)
+    released: list[int] = field(default_factory=list)
+
+    @property
+    def info(self) -> ModelInfo:
+        return ModelInfo(
+            name="fake",
+            format="optimum",
+            vocab_size=self.vocab_size,
+            context_length=self.context_length,
+            eos_token_ids=self.eos_token_ids,
+            max_batch_size=self.slots,
+        )
+
+    def capacity(self) -> int:
+        return self.slots
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+        self.prefills.append(PrefillCall(seq_id, start, len(token_ids)))
+        self._take_time()
+        row: np.ndarray = self._logits(1)[0]
+        return row
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        self.decodes.append(tuple(seq_ids))
+        if self.during_decode is not None:
+            self.during_decode()
+        self._take_time()
+        return self._logits(len(seq_ids))
+
+    def release(self, seq_id: int) -> None:
+        self.released.append(seq_id)
+
+    def _logits(self, rows: int) -> np.ndarray:
+        logits = np.zeros((rows, self.vocab_size), dtype=np.float32)
+        logits[:, self.token] = 1.0
+        return logits
+
+    def _take_time(self) -> None:
+        if self.clock is not None:
+            self.clock.advance(self.step_seconds)
