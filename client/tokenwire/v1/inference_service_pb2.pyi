@@ -80,8 +80,9 @@ class GenerateRequest(_message.Message):
     model: _builtins.str
     """Name of the model to use, as listed by ListModels. Empty selects the server's default model."""
     prompt: _builtins.str
-    """Raw text prompt, tokenized with the model's tokenizer (special-token markup in the text is
-    recognised). Must not be empty when set.
+    """Raw text prompt, tokenized with the model's tokenizer as is: special-token markup in the text
+    (e.g. "<|im_start|>") becomes the control token it names, since the caller writes the whole
+    sequence anyway. Must not be empty when set.
     """
     logprobs: _builtins.bool
     """Return the log-probability of every generated token. Default false."""
@@ -92,7 +93,12 @@ class GenerateRequest(_message.Message):
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """Chat conversation, rendered through the model's chat template with a generation prompt appended.
-        INVALID_ARGUMENT when the model has no chat template.
+        INVALID_ARGUMENT when the model has no chat template. Only the template writes control tokens:
+        special-token markup inside a message's content (e.g. "<|im_end|>") is tokenized as the plain
+        text it is, so no caller can forge another turn or role, unless the server is started with
+        `--control-tokens-in-messages` for callers trusted to write any turn. Where the template changes
+        content before placing it, content holding such markup is INVALID_ARGUMENT naming
+        messages[i].content.
         """
 
     @_builtins.property
@@ -149,7 +155,7 @@ class ChatMessage(_message.Message):
     role: _builtins.str
     """Who speaks: "system", "user", "assistant" or "tool"."""
     content: _builtins.str
-    """What was said."""
+    """What was said; plain text (see GenerateRequest.messages about control-token markup)."""
     def __init__(
         self,
         *,

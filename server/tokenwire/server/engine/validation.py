@@ -16,6 +16,7 @@ from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import SamplingParams
 from tokenwire.server.settings_schema import setting
 from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTemplate, ChatTemplateError, ChatTurn
+from tokenwire.server.text.conversation import ControlTokenInContentError, conversation_ids
 from tokenwire.server.text.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20
@@ -36,6 +37,11 @@ class RequestLimits:
     )
     """Bound on raw prompt text, checked before tokenizing so huge inputs cost nothing."""
     max_messages: int = 1024
+    control_tokens_in_messages: bool = setting(
+        False,
+        "read control-token markup such as <|im_start|> in chat message content as control tokens, as "
+        "Hugging Face does: only for callers trusted to write any turn (off: it is plain text)",
+    )
 
 
 @dataclass(frozen=True)
@@ -222,11 +228,22 @@ class RequestValidator:
         if spec.messages:
             assert self._chat_template is not None
             try:
-                text = self._chat_template.render(spec.messages, add_generation_prompt=True)
+                return conversation_ids(
+                    self._chat_template,
+                    self._tokenizer,
+                    spec.messages,
+                    control_tokens_in_content=self._limits.control_tokens_in_messages,
+                )
             except ChatTemplateError as error:
                 raise GenerationError.invalid(FieldViolation("messages", str(error))) from error
-            # The template already wrote any BOS markup; don't let the tokenizer add it twice.
-            return self._tokenizer.encode(text, add_special_tokens=False)
+            except ControlTokenInContentError as error:
+                raise GenerationError.invalid(
+                    FieldViolation(
+                        f"messages[{error.index}].content",
+                        f"holds the control token {error.token!r}, which this model's chat template "
+                        "does not let the server keep as plain text; remove it",
+                    )
+                ) from error
         assert spec.prompt is not None
         return self._tokenizer.encode(spec.prompt)
 

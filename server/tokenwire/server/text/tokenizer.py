@@ -14,6 +14,18 @@ class Tokenizer:
     def __init__(self, backend: HfTokenizer) -> None:
         self._backend = backend
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
+        # A twin that reads special-token markup as the characters it is made of; the setting
+        # is per tokenizer, and flipping it on the shared one would race with other threads.
+        self._as_text = HfTokenizer.from_str(backend.to_str())
+        self._as_text.encode_special_tokens = True
+        self.special_tokens: tuple[str, ...] = tuple(
+            sorted(
+                (added.content for added in backend.get_added_tokens_decoder().values() if added.special),
+                key=len,
+                reverse=True,
+            )
+        )
+        """The text of every special (control) token, longest first."""
 
     @classmethod
     def from_file(cls, path: Path) -> Tokenizer:
@@ -27,6 +39,10 @@ class Tokenizer:
         # Special-token markup inside the text (e.g. "<|im_start|>") is recognised, as in the
         # Hugging Face tokenizers, so rendered chat templates tokenize to the real control tokens.
         return list(self._backend.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def encode_as_text(self, text: str) -> list[int]:
+        """Tokens of `text` read as plain text: "<|im_end|>" in it is characters, not a control token."""
+        return list(self._as_text.encode(text, add_special_tokens=False).ids)
 
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
