@@ -20,11 +20,19 @@ import onnxruntime as ort
 from tokenwire.server.models.optimum_runner import OptimumRunner
 from tokenwire.server.models.runner import ModelInfo, ModelRunner
 from tokenwire.server.models.session import SessionSettings, choose_provider, create_session, ort_device_name
-from tokenwire.server.models.shared_kv_runner import SharedKvLayout, SharedKvRunner, read_genai_config
+from tokenwire.server.models.shared_kv_runner import SharedKvLayout, SharedKvRunner
 from tokenwire.server.text.chat import ChatTemplate
 from tokenwire.server.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
+
+
+MAX_DECLARED_SIZE = 1 << 24
+"""Largest context length, vocabulary or layer size believed from a config file (16M)."""
+
+
+class ModelDirectoryError(ValueError):
+    """A file of the model directory is unusable; the message is one line naming file and field."""
 
 
 @dataclass(frozen=True)
@@ -111,11 +119,23 @@ class _Common:
 
 
 def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
-    config = read_genai_config(model_dir)
-    model_cfg: dict[str, Any] = dict(config.get("model", {}))  # type: ignore[call-overload]
-    decoder: dict[str, Any] = model_cfg.get("decoder", {})
+    config = _read_json(model_dir / "genai_config.json", required=True)
+    model_cfg = _object(config, "model", model_dir / "genai_config.json")
+    decoder = _object(model_cfg, "decoder", model_dir / "genai_config.json", prefix="model.")
+    _check_sizes(
+        model_dir / "genai_config.json", model_cfg, ("context_length", "vocab_size"), prefix="model."
+    )
+    _check_sizes(
+        model_dir / "genai_config.json",
+        decoder,
+        ("num_hidden_layers", "num_key_value_heads", "num_attention_heads", "head_size", "hidden_size"),
+        prefix="model.decoder.",
+    )
     settings = common.settings
-    session = create_session(model_dir / str(decoder.get("filename", "model.onnx")), settings.session)
+    graph = _inside(
+        model_dir, decoder.get("filename", "model.onnx"), "genai_config.json", "model.decoder.filename"
+    )
+    session = create_session(graph, settings.session)
     layout = SharedKvLayout.from_session(session, config)
     info = common.info(
         model_format="genai",
@@ -123,7 +143,7 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
         vocab_size=model_cfg.get("vocab_size"),
         declared_context=model_cfg.get("context_length"),
         eos_token_ids=_token_ids(model_cfg.get("eos_token_id")),
-        search_defaults=dict(config.get("search", {})),  # type: ignore[call-overload]
+        search_defaults=_object(config, "search", model_dir / "genai_config.json"),
     )
     info = replace(info, kv_cache_bytes=layout.cache_bytes(settings.max_batch_size, info.context_length))
     runner = SharedKvRunner(
@@ -148,8 +168,13 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
 def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
     config = _read_json(model_dir / "config.json")
     generation = _read_json(model_dir / "generation_config.json")
-    session = create_session(model_dir / "model.onnx", common.settings.session)
     context_keys = ("max_position_embeddings", "n_positions", "n_ctx", "seq_length")
+    _check_sizes(
+        model_dir / "config.json",
+        config,
+        (*context_keys, "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
+    )
+    session = create_session(model_dir / "model.onnx", common.settings.session)
     info = common.info(
         model_format="optimum",
         session=session,
@@ -162,11 +187,55 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
     return common.loaded(info, OptimumRunner(session, info, common.device))
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if not path.is_file():
+def _read_json(path: Path, *, required: bool = False) -> dict[str, Any]:
+    if not path.is_file() and not required:
         return {}
-    loaded = json.loads(path.read_text(encoding="utf-8"))
-    return loaded if isinstance(loaded, dict) else {}
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as error:
+        raise ModelDirectoryError(f"{path}: cannot be read as JSON: {_one_line(error)}") from error
+    if not isinstance(loaded, dict):
+        if required:
+            raise ModelDirectoryError(f"{path}: must hold a JSON object")
+        return {}
+    return loaded
+
+
+def _object(config: dict[str, Any], key: str, path: Path, *, prefix: str = "") -> dict[str, Any]:
+    value = config.get(key, {})
+    if not isinstance(value, dict):
+        raise ModelDirectoryError(f"{path}: {prefix}{key}: must be a JSON object")
+    return value
+
+
+def _check_sizes(path: Path, config: dict[str, Any], keys: tuple[str, ...], *, prefix: str = "") -> None:
+    """Each of `keys` that is present must be a whole number from 1 to MAX_DECLARED_SIZE: a
+    negative or absurd size would otherwise surface only when requests fail, or size memory."""
+    for key in keys:
+        value = config.get(key)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DECLARED_SIZE:
+            shown = repr(value)[:40]
+            raise ModelDirectoryError(
+                f"{path}: {prefix}{key}: must be a whole number from 1 to {MAX_DECLARED_SIZE}, got {shown}"
+            )
+
+
+def _inside(model_dir: Path, name: object, file: str, field: str) -> Path:
+    """`name` from a config file as a path in the model directory; refused when it is not a plain
+    relative path that stays inside (an absolute path, or one climbing out with "..")."""
+    text = str(name)
+    relative = Path(text)
+    if not text or relative.is_absolute() or ".." in relative.parts or "\x00" in text:
+        raise ModelDirectoryError(
+            f"{model_dir / file}: {field}: {text[:80]!r} is not a file inside the model directory"
+        )
+    return model_dir / relative
+
+
+def _one_line(error: BaseException) -> str:
+    return " ".join(str(error).split())[:200]
 
 
 def _token_ids(value: object) -> set[int]:

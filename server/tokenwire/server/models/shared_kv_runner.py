@@ -21,11 +21,9 @@ they came in (a one-token chunk takes another kernel path and differs in the las
 from __future__ import annotations
 
 import heapq
-import json
 import mmap
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
@@ -78,13 +76,6 @@ class SharedKvLayout:
     def cache_bytes(self, slots: int, max_len: int) -> int:
         """Bytes of the preallocated KV cache for `slots` sequences of up to `max_len` tokens."""
         return 2 * self.layers * slots * self.kv_heads * max_len * self.head_dim * self.kv_dtype.itemsize
-
-
-def read_genai_config(model_dir: Path) -> dict[str, object]:
-    loaded = json.loads((model_dir / "genai_config.json").read_text())
-    if not isinstance(loaded, dict):
-        raise ValueError("genai_config.json must hold a JSON object")
-    return loaded
 
 
 def _section(config: dict[str, object], key: str) -> dict[str, object]:
