@@ -68,11 +68,12 @@ def test_all_violations_are_reported_together(validator: RequestValidator) -> No
     with pytest.raises(GenerationError) as raised:
         validator.validate(spec, received_at=0)
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+    # Named as RequestSpec names them; the API edge maps them to GenerateRequest paths.
     assert [v.field for v in raised.value.violations] == [
-        "sampling.temperature",
-        "sampling.top_k",
-        "sampling.top_p",
-        "stopping.max_new_tokens",
+        "temperature",
+        "top_k",
+        "top_p",
+        "max_new_tokens",
         "top_logprobs",
     ]
 

@@ -75,12 +75,15 @@ class Admission:
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
-            request = served.validator.validate(
-                spec,
-                received_at=received,
-                call_deadline=call_deadline,
-                require_request_id=live_ids is not None,
-            )
+            try:
+                request = served.validator.validate(
+                    spec,
+                    received_at=received,
+                    call_deadline=call_deadline,
+                    require_request_id=live_ids is not None,
+                )
+            except GenerationError as error:
+                raise convert.request_error(error) from None
             ticket = served.engine.submit(request, observed)
         except GenerationError as error:
             record.refused(error)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from google.protobuf.duration_pb2 import Duration
 
+from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.engine.types import (
     Completed,
     EngineEvent,
@@ -49,6 +50,37 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         timeout=_seconds(message.timeout) if message.HasField("timeout") else None,
+    )
+
+
+# Where each RequestSpec field lives in a GenerateRequest (the rest are at the top, by the same name).
+_REQUEST_PATHS = {
+    **{
+        name: f"sampling.{name}"
+        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+    },
+    **{name: f"stopping.{name}" for name in ("max_new_tokens", "stop", "ignore_eos")},
+    "token_ids": "token_ids.ids",
+}
+
+
+def request_field_path(violation: FieldViolation) -> str:
+    """The GenerateRequest path of a violation the engine names in RequestSpec terms."""
+    field = violation.field
+    end = min((i for i in (field.find("["), field.find(".")) if i >= 0), default=len(field))
+    name, rest = field[:end], field[end:]
+    if violation.presence:
+        return field  # a field set at all: the message field itself, not its contents
+    return _REQUEST_PATHS.get(name, name) + rest
+
+
+def request_error(error: GenerationError) -> GenerationError:
+    """`error` from validating a request, its violations named as GenerateRequest paths."""
+    if error.kind is not ErrorKind.INVALID_ARGUMENT or not error.violations or error.reason is not None:
+        return error
+    return GenerationError.invalid(
+        *(FieldViolation(request_field_path(v), v.description) for v in error.violations),
+        omitted=error.omitted_violations,
     )
 
 

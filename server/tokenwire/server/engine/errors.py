@@ -31,8 +31,12 @@ def excerpt(text: str, limit: int = EXCERPT_CHARACTERS) -> str:
 @dataclass(frozen=True)
 class FieldViolation:
     field: str
-    """Path of the offending field relative to the request, e.g. "sampling.top_p"."""
+    """The offending field. In the engine, a RequestSpec field with [i] for an element and .name
+    for its part, e.g. "top_p", "stop[1]", "messages[0].role"; the API edge maps it to the path
+    in the client's message, e.g. "sampling.top_p"."""
     description: str
+    presence: bool = False
+    """The problem is that the field is set at all (one input too many), not its value."""
 
 
 class GenerationError(Exception):
@@ -46,24 +50,36 @@ class GenerationError(Exception):
         violations: tuple[FieldViolation, ...] = (),
         retry_after: float | None = None,
         reason: str | None = None,
+        omitted_violations: int = 0,
     ) -> None:
         super().__init__(message)
         self.kind = kind
         self.message = message
         self.violations = violations
+        self.omitted_violations = omitted_violations
+        """Violations found beyond those listed, which the message only counts."""
         self.retry_after = retry_after
         """Seconds after which retrying is likely to succeed (RESOURCE_EXHAUSTED)."""
         self.reason = reason
         """A stable machine-readable reason, e.g. "QUEUE_FULL"."""
 
     @classmethod
-    def invalid(cls, *violations: FieldViolation) -> GenerationError:
-        """INVALID_ARGUMENT for the first MAX_VIOLATIONS of `violations`, so the error stays small."""
+    def invalid(cls, *violations: FieldViolation, omitted: int = 0) -> GenerationError:
+        """INVALID_ARGUMENT for the first MAX_VIOLATIONS of `violations`, so the error stays small.
+
+        omitted: violations found besides these, counted in the message only.
+        """
         shown = violations[:MAX_VIOLATIONS]
+        omitted += len(violations) - len(shown)
         summary = "; ".join(f"{v.field}: {v.description}" for v in shown)
-        if len(violations) > len(shown):
-            summary += f"; and {len(violations) - len(shown)} more"
-        return cls(ErrorKind.INVALID_ARGUMENT, f"invalid request: {summary}", violations=shown)
+        if omitted:
+            summary += f"; and {omitted} more"
+        return cls(
+            ErrorKind.INVALID_ARGUMENT,
+            f"invalid request: {summary}",
+            violations=shown,
+            omitted_violations=omitted,
+        )
 
     def __repr__(self) -> str:
         return f"GenerationError({self.kind.name}, {self.message!r})"

@@ -1,7 +1,8 @@
 """Check a request against the model and the server's limits and resolve every default.
 
 Every problem found is reported at once, each naming the field it concerns, so a client can fix
-a request in one round trip. Field paths are relative to the GenerateRequest message.
+a request in one round trip. Fields are named as in RequestSpec; the API edge maps them to the
+paths of its own messages.
 """
 
 from __future__ import annotations
@@ -131,7 +132,9 @@ class RequestValidator:
     def _check_request_id(self, request_id: str, *, required: bool) -> list[FieldViolation]:
         if required and not request_id:
             return [
-                FieldViolation("request_id", "required on StreamGenerate: choose an id unique in the stream")
+                FieldViolation(
+                    "request_id", "required for a request on a stream: choose an id unique in the stream"
+                )
             ]
         if len(request_id) > self._limits.max_request_id_length:
             return [
@@ -153,7 +156,7 @@ class RequestValidator:
             return [FieldViolation("prompt", "exactly one of prompt, messages or token_ids is required")]
         if len(given) > 1:
             return [
-                FieldViolation(name, f"only one input may be set, got {' and '.join(given)}")
+                FieldViolation(name, f"only one input may be set, got {' and '.join(given)}", presence=True)
                 for name in given[1:]
             ]
         limits = self._limits
@@ -188,13 +191,13 @@ class RequestValidator:
                 )
         elif spec.token_ids is not None:
             if not spec.token_ids:
-                found.append(FieldViolation("token_ids.ids", "must not be empty"))
+                found.append(FieldViolation("token_ids", "must not be empty"))
             vocab = self._info.vocab_size
             bad = next((i for i, t in enumerate(spec.token_ids) if not 0 <= t < vocab), None)
             if bad is not None:
                 found.append(
                     FieldViolation(
-                        f"token_ids.ids[{bad}]", f"token id {spec.token_ids[bad]} is outside [0, {vocab})"
+                        f"token_ids[{bad}]", f"token id {spec.token_ids[bad]} is outside [0, {vocab})"
                     )
                 )
         return found
@@ -205,19 +208,19 @@ class RequestValidator:
         if spec.max_new_tokens is not None and not 1 <= spec.max_new_tokens <= limits.max_new_tokens_cap:
             found.append(
                 FieldViolation(
-                    "stopping.max_new_tokens",
+                    "max_new_tokens",
                     f"must be between 1 and {limits.max_new_tokens_cap}, got {spec.max_new_tokens}",
                 )
             )
         if len(spec.stop) > limits.max_stop_strings:
-            found.append(FieldViolation("stopping.stop", f"at most {limits.max_stop_strings} stop strings"))
+            found.append(FieldViolation("stop", f"at most {limits.max_stop_strings} stop strings"))
         for index, stop in enumerate(spec.stop[: limits.max_stop_strings]):
             if not stop:
-                found.append(FieldViolation(f"stopping.stop[{index}]", "must not be empty"))
+                found.append(FieldViolation(f"stop[{index}]", "must not be empty"))
             elif len(stop) > limits.max_stop_string_length:
                 found.append(
                     FieldViolation(
-                        f"stopping.stop[{index}]", f"longer than {limits.max_stop_string_length} characters"
+                        f"stop[{index}]", f"longer than {limits.max_stop_string_length} characters"
                     )
                 )
         return found
@@ -249,7 +252,7 @@ class RequestValidator:
 
     def _max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
         context = self._info.context_length
-        field = "prompt" if spec.prompt is not None else "messages" if spec.messages else "token_ids.ids"
+        field = "prompt" if spec.prompt is not None else "messages" if spec.messages else "token_ids"
         if prompt_tokens == 0:
             raise GenerationError.invalid(FieldViolation(field, "tokenizes to nothing"))
         room = context - prompt_tokens
@@ -264,7 +267,7 @@ class RequestValidator:
         if spec.max_new_tokens > room:
             raise GenerationError.invalid(
                 FieldViolation(
-                    "stopping.max_new_tokens",
+                    "max_new_tokens",
                     f"prompt ({prompt_tokens} tokens) + max_new_tokens ({spec.max_new_tokens}) exceeds the "
                     f"context length of {context} tokens",
                 )
@@ -275,16 +278,16 @@ class RequestValidator:
 def _check_sampling(spec: RequestSpec) -> list[FieldViolation]:
     found: list[FieldViolation] = []
     if spec.temperature is not None and not (math.isfinite(spec.temperature) and spec.temperature >= 0):
-        found.append(FieldViolation("sampling.temperature", "must be a finite number >= 0 (0 means greedy)"))
+        found.append(FieldViolation("temperature", "must be a finite number >= 0 (0 means greedy)"))
     if spec.top_k < 0:
-        found.append(FieldViolation("sampling.top_k", "must be >= 0 (0 disables top-k)"))
+        found.append(FieldViolation("top_k", "must be >= 0 (0 disables top-k)"))
     if spec.top_p is not None and not (0 < spec.top_p <= 1):
-        found.append(FieldViolation("sampling.top_p", "must be in (0, 1]"))
+        found.append(FieldViolation("top_p", "must be in (0, 1]"))
     if not (0 <= spec.min_p <= 1):
-        found.append(FieldViolation("sampling.min_p", "must be in [0, 1]"))
+        found.append(FieldViolation("min_p", "must be in [0, 1]"))
     penalty = spec.repetition_penalty
     if penalty is not None and not (math.isfinite(penalty) and penalty > 0):
-        found.append(FieldViolation("sampling.repetition_penalty", "must be a finite number > 0"))
+        found.append(FieldViolation("repetition_penalty", "must be a finite number > 0"))
     return found
 
 
