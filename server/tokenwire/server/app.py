@@ -13,6 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from tokenwire.server.api.handlers import add_inference_service
+from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaService, add_orca_service
 from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.config import ServerSettings
 from tokenwire.server.engine.engine import Engine, EngineConfig
@@ -22,6 +23,7 @@ from tokenwire.server.engine.registry import ModelRegistry, ServedModel
 from tokenwire.server.engine.validation import RequestValidator
 from tokenwire.server.health import HealthReporter
 from tokenwire.server.lifecycle import Lifecycle, ServingPhase
+from tokenwire.server.load import LoadTracker
 from tokenwire.server.models.loader import LoadedModel, LoadSettings, load_model
 from tokenwire.server.models.session import SessionSettings
 from tokenwire.server.models.warmup import warm_up
@@ -34,6 +36,9 @@ from tokenwire.v1 import inference_service_pb2 as pb
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
+LOAD_REPORTED_METHODS = frozenset({f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/StreamGenerate"})
+ORCA_MIN_REPORT_INTERVAL = 1.0
+"""Seconds: the shortest out-of-band load report interval a client may ask for."""
 
 ModelWrapper = Callable[[LoadedModel], LoadedModel]
 """Hook applied to each loaded model before serving it (tests use it to inject faults)."""
@@ -58,8 +63,14 @@ class TokenwireServer:
         self._server: grpc.aio.Server | None = None
         self.health = HealthReporter(HealthServicer(), ("", SERVICE_NAME), settings.health)
         self.telemetry = Telemetry(settings, engines=self._engines, span_exporter=span_exporter)
+        self.load_tracker = LoadTracker()
         watermarks = self.health if settings.health.queue_high_watermark is not None else None
-        observers: list[EngineObserver | None] = [self.telemetry.metrics, watermarks, observer]
+        observers: list[EngineObserver | None] = [
+            self.telemetry.metrics,
+            watermarks,
+            self.load_tracker,
+            observer,
+        ]
         self._observer = ObserverFanOut(o for o in observers if o is not None)
         self.port = 0
 
@@ -91,7 +102,7 @@ class TokenwireServer:
         return self.port
 
     def _listen(self, settings: ServerSettings) -> int:
-        interceptors = []
+        interceptors: list[grpc.aio.ServerInterceptor] = []
         if settings.auth.enabled:
             interceptors.append(
                 BearerTokenInterceptor(
@@ -100,16 +111,19 @@ class TokenwireServer:
                     on_refused=self._refused_unauthenticated,
                 )
             )
+        interceptors.append(LoadReportTrailers(self.load_tracker, LOAD_REPORTED_METHODS))
         server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
         add_inference_service(
             InferenceServicer(self.registry, self.lifecycle, telemetry=self.telemetry.requests), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
+        add_orca_service(OrcaService(self.load_tracker, min_interval=ORCA_MIN_REPORT_INTERVAL), server)
         if settings.reflection:
             reflection.enable_server_reflection(
                 (
                     SERVICE_NAME,
                     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+                    ORCA_SERVICE,
                     reflection.SERVICE_NAME,
                 ),
                 server,

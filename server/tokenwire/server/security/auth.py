@@ -2,7 +2,8 @@
 
 A call must carry `authorization: Bearer <token>` metadata with one of the configured tokens;
 otherwise it ends with UNAUTHENTICATED and the same rich details (ErrorInfo reason) as every
-other error. The health service can be left open so load balancers probe without a token.
+other error. The health and ORCA load report services can be left open, so load balancers
+(and gRPC clients' own balancing) probe without a token.
 Reflection is protected like the inference service.
 
 Tokens are compared as SHA-256 digests with hmac.compare_digest against every configured token,
@@ -25,7 +26,8 @@ from tokenwire.server.api import errors
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 
 AUTH_TOKENS_ENV = "TOKENWIRE_AUTH_TOKENS"
-HEALTH_SERVICE_PREFIX = "/grpc.health.v1.Health/"
+LOAD_BALANCER_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/xds.service.orca.v3.OpenRcaService/")
+"""Health checks and ORCA load reports: gRPC clients open these per replica without call metadata."""
 AUTHORIZATION = "authorization"
 _SCHEME = "bearer"
 
@@ -89,7 +91,9 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         method: str = details.method
-        if handler is None or (not self._protect_health and method.startswith(HEALTH_SERVICE_PREFIX)):
+        if handler is None or (
+            not self._protect_health and method.startswith(LOAD_BALANCER_SERVICE_PREFIXES)
+        ):
             return handler
         metadata: Metadata | None = details.invocation_metadata
         error = self._check(metadata)

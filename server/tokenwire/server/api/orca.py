@@ -1,0 +1,149 @@
+"""ORCA load reports (gRPC proposals A51 and A58), so gRPC clients can weigh replicas by load.
+
+Two channels carry the same report (`xds.data.orca.v3.OrcaLoadReport`, from the `xds-protos`
+package; grpc Python has no ORCA server API of its own):
+
+- Out of band: `xds.service.orca.v3.OpenRcaService/StreamCoreMetrics` streams a report right
+  away and then once per interval the client asks for, never more often than the server's
+  minimum. A `weighted_round_robin` client with `enableOobLoadReport` opens one such stream per
+  replica and weighs it by the latest report.
+- Per call: the `endpoint-load-metrics-bin` trailer of every successful Generate and
+  StreamGenerate, for clients that take weights from their own calls' trailers instead.
+
+The report: `application_utilization` is the engines' occupancy, (running + queued) / slots;
+`rps_fractional` is requests finished per second; `named_metrics` carries `queue_depth`,
+`running` and `kv_cache_utilization`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
+from xds.service.orca.v3 import orca_pb2
+
+from tokenwire.server.api import errors
+from tokenwire.server.api.decoding import UndecodableRequest, tolerant
+from tokenwire.server.engine.errors import FieldViolation, GenerationError
+from tokenwire.server.load import LoadSnapshot, LoadTracker
+
+ORCA_SERVICE = orca_pb2.DESCRIPTOR.services_by_name["OpenRcaService"].full_name
+TRAILER = "endpoint-load-metrics-bin"
+
+
+def load_report(snapshot: LoadSnapshot) -> OrcaLoadReport:
+    return OrcaLoadReport(
+        application_utilization=snapshot.utilization,
+        rps_fractional=snapshot.qps,
+        named_metrics={
+            "queue_depth": float(snapshot.queued),
+            "running": float(snapshot.running),
+            "kv_cache_utilization": snapshot.kv_cache_utilization,
+        },
+    )
+
+
+def report_interval(asked: duration_pb2.Duration, minimum: float) -> float:
+    """Seconds between out-of-band reports: what the client asked for, but at least `minimum`.
+
+    Unset or shorter means the minimum (A58), so no client can make the server spend its event
+    loop on reports. Raises INVALID_ARGUMENT for a negative interval.
+    """
+    if asked.seconds < 0 or asked.nanos < 0:
+        raise GenerationError.invalid(FieldViolation("report_interval", "must not be negative"))
+    return max(minimum, asked.seconds + asked.nanos / 1e9)
+
+
+class OrcaService:
+    """OpenRcaService: one load report stream per caller, at the caller's interval."""
+
+    def __init__(self, tracker: LoadTracker, *, min_interval: float) -> None:
+        self._tracker = tracker
+        self._min_interval = min_interval
+
+    async def StreamCoreMetrics(  # noqa: N802
+        self, request: orca_pb2.OrcaLoadReportRequest | UndecodableRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[OrcaLoadReport]:
+        if isinstance(request, UndecodableRequest):
+            await errors.abort(context, request.error())
+            return
+        try:
+            interval = report_interval(request.report_interval, self._min_interval)
+        except GenerationError as error:
+            await errors.abort(context, error)
+            return
+        while True:
+            yield load_report(self._tracker.snapshot())
+            await asyncio.sleep(interval)
+
+
+def add_orca_service(service: OrcaService, server: grpc.aio.Server) -> None:
+    handlers = {
+        "StreamCoreMetrics": grpc.unary_stream_rpc_method_handler(
+            service.StreamCoreMetrics,
+            request_deserializer=tolerant(orca_pb2.OrcaLoadReportRequest.FromString, "OrcaLoadReportRequest"),
+            response_serializer=OrcaLoadReport.SerializeToString,
+        )
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(ORCA_SERVICE, handlers),))
+
+
+class LoadReportTrailers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
+    """Adds the `endpoint-load-metrics-bin` trailer to calls of `methods` that end normally.
+
+    A call that aborts keeps only its error trailers (rich status details), which a load report
+    must not replace.
+    """
+
+    def __init__(self, tracker: LoadTracker, methods: frozenset[str]) -> None:
+        self._tracker = tracker
+        self._methods = methods
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None or details.method not in self._methods:
+            return handler
+        if handler.unary_unary is not None:
+            return grpc.unary_unary_rpc_method_handler(
+                self._unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.stream_stream is not None:
+            return grpc.stream_stream_rpc_method_handler(
+                self._streaming(handler.stream_stream),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        return handler
+
+    def _unary(self, behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+        async def with_trailer(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            response = await behavior(request, context)
+            self._add_trailer(context)
+            return response
+
+        return with_trailer
+
+    def _streaming(
+        self, behavior: Callable[[Any, Any], AsyncIterator[Any]]
+    ) -> Callable[[Any, Any], AsyncIterator[Any]]:
+        async def with_trailer(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for response in behavior(requests, context):
+                yield response
+            self._add_trailer(context)
+
+        return with_trailer
+
+    def _add_trailer(self, context: grpc.aio.ServicerContext) -> None:
+        report = load_report(self._tracker.snapshot()).SerializeToString()
+        existing = tuple(context.trailing_metadata() or ())
+        context.set_trailing_metadata((*existing, (TRAILER, report)))
