@@ -12,14 +12,15 @@ from grpc_health.v1._async import HealthServicer
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from tokenwire.server.api.chat import chat_prompts
 from tokenwire.server.api.handlers import add_inference_service
 from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaService, add_orca_service
+from tokenwire.server.api.registry import ModelRegistry, ServedModel
 from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.config import ServerSettings
 from tokenwire.server.engine.engine import Engine, EngineConfig
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.observer import EngineObserver
-from tokenwire.server.engine.registry import ModelRegistry, ServedModel
 from tokenwire.server.engine.validation import RequestValidator
 from tokenwire.server.health import HealthReporter
 from tokenwire.server.lifecycle import Lifecycle, ServingPhase
@@ -166,7 +167,12 @@ class TokenwireServer:
                 check_accepting=self.lifecycle.check_accepting,
             )
             engine.start()
-            validator = RequestValidator(loaded.info, loaded.tokenizer, loaded.chat_template, settings.limits)
+            chat = chat_prompts(
+                loaded.chat_template,
+                loaded.tokenizer,
+                control_tokens_in_content=settings.limits.control_tokens_in_messages,
+            )
+            validator = RequestValidator(loaded.info, loaded.tokenizer, chat, settings.limits)
             self.registry.add(ServedModel(loaded, engine, validator))
         self.lifecycle.enter(ServingPhase.SERVING)
 

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 
+from tokenwire.server.api.chat import ChatPrompts
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.validation import RequestLimits, RequestSpec, RequestValidator
 from tokenwire.server.models.runner import ModelInfo
@@ -27,8 +28,9 @@ INFO = ModelInfo(
 def validator(tiny_model_dir: Path) -> RequestValidator:
     tokenizer = Tokenizer.from_file(tiny_model_dir / "tokenizer.json")
     template = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    chat = ChatPrompts(template, tokenizer, control_tokens_in_content=False)
     return RequestValidator(
-        INFO, tokenizer, template, RequestLimits(max_new_tokens_cap=100, default_max_new_tokens=50)
+        INFO, tokenizer, chat, RequestLimits(max_new_tokens_cap=100, default_max_new_tokens=50)
     )
 
 

@@ -14,9 +14,9 @@ from dataclasses import dataclass, replace
 
 from tokenwire.server.api import convert
 from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.engine.engine import Engine
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
-from tokenwire.server.engine.registry import ModelRegistry
 from tokenwire.server.engine.types import EngineEvent
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.telemetry.requests import RequestTelemetry

@@ -12,9 +12,9 @@ import grpc
 from tokenwire.server.api import convert, errors
 from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.api.stream import StreamSession
 from tokenwire.server.engine.errors import GenerationError
-from tokenwire.server.engine.registry import ModelRegistry
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.telemetry.requests import RequestTelemetry

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenwire.server.engine.errors import FieldViolation, GenerationError
@@ -16,8 +17,7 @@ from tokenwire.server.engine.types import GenerationRequest, StopConditions
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import SamplingParams
 from tokenwire.server.settings_schema import setting
-from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTemplate, ChatTemplateError, ChatTurn
-from tokenwire.server.text.conversation import ControlTokenInContentError, conversation_ids
+from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTurn
 from tokenwire.server.text.tokenizer import Tokenizer
 
 MAX_TOP_LOGPROBS = 20
@@ -69,6 +69,11 @@ class RequestSpec:
     """Seconds, from the moment the request was received."""
 
 
+ChatPromptIds = Callable[[Sequence[ChatTurn]], list[int]]
+"""A model's conversation to prompt tokens, through its chat template (which the API edge owns).
+Raises GenerationError naming `messages`, or one message, when the conversation cannot be made."""
+
+
 class RequestValidator:
     """Validates requests for one model."""
 
@@ -76,12 +81,13 @@ class RequestValidator:
         self,
         info: ModelInfo,
         tokenizer: Tokenizer,
-        chat_template: ChatTemplate | None,
+        chat: ChatPromptIds | None,
         limits: RequestLimits,
     ) -> None:
+        """chat: the model's conversations to prompt tokens; None: it has no chat template."""
         self._info = info
         self._tokenizer = tokenizer
-        self._chat_template = chat_template
+        self._chat = chat
         self._limits = limits
 
     def validate(
@@ -167,7 +173,7 @@ class RequestValidator:
             elif len(spec.prompt) > limits.max_prompt_chars:
                 found.append(FieldViolation("prompt", f"longer than {limits.max_prompt_chars} characters"))
         elif spec.messages:
-            if self._chat_template is None:
+            if self._chat is None:
                 found.append(
                     FieldViolation(
                         "messages",
@@ -229,24 +235,8 @@ class RequestValidator:
         if spec.token_ids is not None:
             return list(spec.token_ids)
         if spec.messages:
-            assert self._chat_template is not None
-            try:
-                return conversation_ids(
-                    self._chat_template,
-                    self._tokenizer,
-                    spec.messages,
-                    control_tokens_in_content=self._limits.control_tokens_in_messages,
-                )
-            except ChatTemplateError as error:
-                raise GenerationError.invalid(FieldViolation("messages", str(error))) from error
-            except ControlTokenInContentError as error:
-                raise GenerationError.invalid(
-                    FieldViolation(
-                        f"messages[{error.index}].content",
-                        f"holds the control token {error.token!r}, which this model's chat template "
-                        "does not let the server keep as plain text; remove it",
-                    )
-                ) from error
+            assert self._chat is not None
+            return self._chat(spec.messages)
         assert spec.prompt is not None
         return self._tokenizer.encode(spec.prompt)
 

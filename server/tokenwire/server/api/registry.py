@@ -1,4 +1,4 @@
-"""The served models: each with its engine and request validator."""
+"""The served models by name, each with its engine, request validator and loaded model files."""
 
 from __future__ import annotations
 
