@@ -1,13 +1,31 @@
-"""The bundled retry policy makes a RESOURCE_EXHAUSTED request succeed once capacity frees up."""
+"""The bundled retry policy makes a request refused for capacity succeed once capacity frees up, for
+Generate (gRPC's retries) and for a generation streamed on a call of its own (the client's)."""
 
 from __future__ import annotations
 
 import asyncio
+import json
+
+import grpc
+import pytest
 
 from tests.conftest import ServerFactory
 from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
-from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping
+from tokenwire.client import (
+    AsyncClient,
+    Chunk,
+    Client,
+    Failed,
+    GenerateOptions,
+    Queued,
+    Sampling,
+    Stopping,
+    TokenwireError,
+    collect,
+    service_config,
+)
+from tokenwire.client.retry import INFERENCE_SERVICE, inference_retry_policy
 
 OPTIONS = GenerateOptions(
     sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=4, ignore_eos=True)
@@ -36,3 +54,86 @@ async def test_rejected_request_is_retried_after_the_pushback_and_succeeds(
 def rejected(server: object) -> int:
     """Rejections seen so far (each one a RESOURCE_EXHAUSTED attempt by the retrying client)."""
     return server.registry.default.engine.stats.rejected  # type: ignore[attr-defined,no-any-return]
+
+
+async def test_a_streamed_generation_refused_at_admission_is_sent_again_unseen(
+    start_server: ServerFactory,
+) -> None:
+    # A stream call is accepted and the generation on it refused (queue full): the refusal is the
+    # generation's first event, which the client answers by sending it again on a new call.
+    gate = StepGate()
+    server = await start_server(wrap_model=gated(gate), max_batch_size=1, max_queue_size=0)
+    engine = server.registry.default.engine
+    async with (
+        AsyncClient(f"127.0.0.1:{server.port}", retries=False) as plain,
+        AsyncClient(f"127.0.0.1:{server.port}") as retrying,
+    ):
+        occupying = asyncio.create_task(plain.generate("occupy", OPTIONS))
+        await wait_until(lambda: engine.live_count == 1, what="the slot to be taken")
+        retried = asyncio.create_task(collect(retrying.stream("retried", OPTIONS)))
+        await wait_until(lambda: rejected(server) >= 1, what="a rejection")
+        gate.open()
+        assert (await occupying).completion_tokens == 4
+        assert (await retried).completion_tokens == 4
+
+
+async def test_without_retries_the_refusal_reaches_the_caller(start_server: ServerFactory) -> None:
+    gate = StepGate()
+    server = await start_server(wrap_model=gated(gate), max_batch_size=1, max_queue_size=0)
+    engine = server.registry.default.engine
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as plain:
+        occupying = asyncio.create_task(plain.generate("occupy", OPTIONS))
+        await wait_until(lambda: engine.live_count == 1, what="the slot to be taken")
+        events = [event async for event in plain.stream("refused", OPTIONS)]
+        gate.open()
+        await occupying
+    assert len(events) == 1
+    assert isinstance(events[0], Failed)
+    assert isinstance(events[0].error, TokenwireError)
+    assert events[0].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+def refusal(code: grpc.StatusCode, retry_after: float | None = None) -> Failed:
+    return Failed("r", TokenwireError(code, "refused", retry_after=retry_after))
+
+
+def test_only_a_first_event_that_refuses_retryably_is_sent_again() -> None:
+    policy = inference_retry_policy()
+    half = lambda: 0.5  # noqa: E731
+    assert policy.delay(refusal(grpc.StatusCode.UNAVAILABLE), 1, jitter=half) == pytest.approx(0.1)
+    assert policy.delay(refusal(grpc.StatusCode.UNAVAILABLE), 3, jitter=half) == pytest.approx(0.4)
+    assert policy.delay(refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, 0.7), 1, jitter=half) == 0.7
+    assert policy.delay(refusal(grpc.StatusCode.UNAVAILABLE), policy.max_attempts) is None
+    assert policy.delay(refusal(grpc.StatusCode.INVALID_ARGUMENT), 1) is None
+    # Admitted first: whatever comes later is the caller's to see.
+    assert policy.delay(Queued("r", 0), 1) is None
+
+
+def test_the_stream_retry_policy_is_the_shipped_service_configs() -> None:
+    shipped = json.loads(service_config())
+    (inference,) = [c for c in shipped["methodConfig"] if {"service": INFERENCE_SERVICE} in c["name"]]
+    policy = inference_retry_policy()
+    assert policy.max_attempts == inference["retryPolicy"]["maxAttempts"]
+    assert f"{policy.initial_backoff}s" == inference["retryPolicy"]["initialBackoff"]
+    assert policy.multiplier == inference["retryPolicy"]["backoffMultiplier"]
+
+
+async def test_the_blocking_client_sends_a_refused_streamed_generation_again_too(
+    start_server: ServerFactory,
+) -> None:
+    gate = StepGate()
+    server = await start_server(wrap_model=gated(gate), max_batch_size=1, max_queue_size=0)
+    engine = server.registry.default.engine
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as plain:
+        occupying = asyncio.create_task(plain.generate("occupy", OPTIONS))
+        await wait_until(lambda: engine.live_count == 1, what="the slot to be taken")
+        with Client(f"127.0.0.1:{server.port}") as blocking:
+            streamed = asyncio.create_task(
+                asyncio.to_thread(lambda: list(blocking.stream("retried", OPTIONS)))
+            )
+            await wait_until(lambda: rejected(server) >= 1, what="a rejection")
+            gate.open()
+            events = await streamed
+        await occupying
+    assert not any(isinstance(event, Failed) for event in events)
+    assert sum(len(event.token_ids) for event in events if isinstance(event, Chunk)) == 4

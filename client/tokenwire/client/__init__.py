@@ -8,6 +8,7 @@ with Client("localhost:50051") as client:
 from tokenwire.client.aio import AsyncClient, MultiplexedStream, collect
 from tokenwire.client.channel import Tls, service_config
 from tokenwire.client.errors import FieldViolation, TokenwireError
+from tokenwire.client.routing import Routing
 from tokenwire.client.sync import Client, SyncStream
 from tokenwire.client.types import (
     ChatMessage,
@@ -41,6 +42,7 @@ __all__ = [
     "ModelDescription",
     "MultiplexedStream",
     "Queued",
+    "Routing",
     "Sampling",
     "Started",
     "Stopping",

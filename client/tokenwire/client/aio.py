@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
@@ -14,6 +15,8 @@ from tokenwire.client import messages
 from tokenwire.client.channel import Tls, aio_channel, auth_metadata
 from tokenwire.client.errors import TokenwireError
 from tokenwire.client.messages import Prompt
+from tokenwire.client.retry import inference_retry_policy
+from tokenwire.client.routing import Routing
 from tokenwire.client.types import (
     Chunk,
     Completed,
@@ -34,6 +37,9 @@ class AsyncClient:
 
     `deadline` arguments are gRPC deadlines in seconds for the whole call; `options.timeout` is
     the server-side per-request deadline, which also covers time in the queue.
+
+    With `routing`, the target may resolve to many replicas and each call is balanced over them
+    (see tokenwire.client.routing).
     """
 
     def __init__(
@@ -43,9 +49,11 @@ class AsyncClient:
         token: str | None = None,
         tls: Tls | None = None,
         retries: bool = True,
+        routing: Routing | None = None,
     ) -> None:
         self.target = target
-        self._channel = aio_channel(target, tls, retries=retries)
+        self._channel = aio_channel(target, tls, retries=retries, routing=routing)
+        self._retry = inference_retry_policy() if retries else None
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._metadata = auth_metadata(token)
 
@@ -84,16 +92,34 @@ class AsyncClient:
         request_id: str = "",
         deadline: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        """Run one generation over StreamGenerate and yield its events as they arrive.
+        """Run one generation on a StreamGenerate call of its own and yield its events as they arrive.
 
-        Leaving the loop early cancels the call, which stops the generation on the server.
+        Leaving the loop early cancels the call, which stops the generation on the server. With
+        retries on, a generation refused before admission is sent again (see client.retry).
         """
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        async with self.open_stream(deadline=deadline) as stream:
-            await stream.submit(request_id, prompt, options)
-            await stream.close_requests()
-            async for event in stream.events():
-                yield event
+        loop = asyncio.get_running_loop()
+        give_up = None if deadline is None else loop.time() + deadline
+        attempts = 0
+        while True:
+            attempts += 1
+            remaining = None if give_up is None else max(0.0, give_up - loop.time())
+            first: StreamEvent | None = None
+            delay: float | None = None
+            async with self.open_stream(deadline=remaining) as stream:
+                await stream.submit(request_id, prompt, options)
+                await stream.close_requests()
+                async for event in stream.events():
+                    if first is None:
+                        first = event
+                        delay = None if self._retry is None else self._retry.delay(event, attempts)
+                        if delay is not None and (give_up is None or loop.time() + delay < give_up):
+                            break
+                        delay = None
+                    yield event
+            if delay is None:
+                return
+            await asyncio.sleep(delay)
 
     def open_stream(self, *, deadline: float | None = None) -> MultiplexedStream:
         """Open one StreamGenerate call that carries many generations (use `async with`)."""

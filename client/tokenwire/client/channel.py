@@ -1,20 +1,29 @@
-"""Channels to a tokenwire server: retry policy, TLS, bearer tokens."""
+"""Channels to a tokenwire server or fleet: retry policy, load balancing, TLS, bearer tokens."""
 
 from __future__ import annotations
 
 import json
 from dataclasses import dataclass
 from importlib import resources
+from typing import Any
 
 import grpc
+
+from tokenwire.client.routing import Routing
 
 MAX_MESSAGE_BYTES = 16 * 1024 * 1024
 
 
-def service_config() -> str:
-    """The retry policy the client ships with: only UNAVAILABLE and RESOURCE_EXHAUSTED are retried."""
-    text = resources.files("tokenwire.client").joinpath("service_config.json").read_text(encoding="utf-8")
-    return json.dumps(json.loads(text))  # compact, and proves it parses
+def service_config(routing: Routing | None = None, *, retries: bool = True) -> str:
+    """The service config the client applies: the retry policy it ships with (only UNAVAILABLE and
+    RESOURCE_EXHAUSTED are retried) unless `retries` is off, and `routing`'s load balancing."""
+    config: dict[str, Any] = {}
+    if retries:
+        text = resources.files("tokenwire.client").joinpath("service_config.json").read_text(encoding="utf-8")
+        config.update(json.loads(text))
+    if routing is not None:
+        config.update(routing.service_config())
+    return json.dumps(config, separators=(",", ":"))
 
 
 @dataclass(frozen=True)
@@ -34,13 +43,15 @@ class Tls:
         )
 
 
-def channel_options(tls: Tls | None, *, retries: bool = True) -> list[tuple[str, object]]:
+def channel_options(
+    tls: Tls | None, *, retries: bool = True, routing: Routing | None = None
+) -> list[tuple[str, object]]:
     options: list[tuple[str, object]] = [
         ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
         ("grpc.enable_retries", 1 if retries else 0),
     ]
-    if retries:
-        options.append(("grpc.service_config", service_config()))
+    if retries or routing is not None:
+        options.append(("grpc.service_config", service_config(routing, retries=retries)))
     if tls is not None and tls.server_name_override:
         options.append(("grpc.ssl_target_name_override", tls.server_name_override))
     return options
@@ -50,15 +61,19 @@ def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
     return (("authorization", f"Bearer {token}"),) if token else ()
 
 
-def aio_channel(target: str, tls: Tls | None = None, *, retries: bool = True) -> grpc.aio.Channel:
-    options = channel_options(tls, retries=retries)
+def aio_channel(
+    target: str, tls: Tls | None = None, *, retries: bool = True, routing: Routing | None = None
+) -> grpc.aio.Channel:
+    options = channel_options(tls, retries=retries, routing=routing)
     if tls is None:
         return grpc.aio.insecure_channel(target, options=options)
     return grpc.aio.secure_channel(target, tls.credentials(), options=options)
 
 
-def sync_channel(target: str, tls: Tls | None = None, *, retries: bool = True) -> grpc.Channel:
-    options = channel_options(tls, retries=retries)
+def sync_channel(
+    target: str, tls: Tls | None = None, *, retries: bool = True, routing: Routing | None = None
+) -> grpc.Channel:
+    options = channel_options(tls, retries=retries, routing=routing)
     if tls is None:
         return grpc.insecure_channel(target, options=options)
     return grpc.secure_channel(target, tls.credentials(), options=options)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import time
 import uuid
 from collections.abc import Iterator
 from types import TracebackType
@@ -13,6 +14,8 @@ from tokenwire.client import messages
 from tokenwire.client.channel import Tls, auth_metadata, sync_channel
 from tokenwire.client.errors import TokenwireError
 from tokenwire.client.messages import Prompt
+from tokenwire.client.retry import inference_retry_policy
+from tokenwire.client.routing import Routing
 from tokenwire.client.types import GenerateOptions, Generation, ModelDescription, StreamEvent
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
@@ -31,9 +34,11 @@ class Client:
         token: str | None = None,
         tls: Tls | None = None,
         retries: bool = True,
+        routing: Routing | None = None,
     ) -> None:
         self.target = target
-        self._channel = sync_channel(target, tls, retries=retries)
+        self._channel = sync_channel(target, tls, retries=retries, routing=routing)
+        self._retry = inference_retry_policy() if retries else None
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._metadata = auth_metadata(token)
 
@@ -71,15 +76,33 @@ class Client:
         request_id: str = "",
         deadline: float | None = None,
     ) -> Iterator[StreamEvent]:
-        """Yield one generation's events; closing the iterator early cancels it on the server."""
+        """Yield one generation's events, from a StreamGenerate call of its own; closing the iterator
+        early cancels it on the server. A generation refused before admission is sent again."""
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        stream = self.open_stream(deadline=deadline)
-        try:
-            stream.submit(request_id, prompt, options)
-            stream.close_requests()
-            yield from stream.events()
-        finally:
-            stream.cancel_all()
+        give_up = None if deadline is None else time.monotonic() + deadline
+        attempts = 0
+        while True:
+            attempts += 1
+            remaining = None if give_up is None else max(0.0, give_up - time.monotonic())
+            first: StreamEvent | None = None
+            delay: float | None = None
+            stream = self.open_stream(deadline=remaining)
+            try:
+                stream.submit(request_id, prompt, options)
+                stream.close_requests()
+                for event in stream.events():
+                    if first is None:
+                        first = event
+                        delay = None if self._retry is None else self._retry.delay(event, attempts)
+                        if delay is not None and (give_up is None or time.monotonic() + delay < give_up):
+                            break
+                        delay = None
+                    yield event
+            finally:
+                stream.cancel_all()
+            if delay is None:
+                return
+            time.sleep(delay)
 
     def open_stream(self, *, deadline: float | None = None) -> SyncStream:
         return SyncStream(self._stub, self._metadata, deadline)
