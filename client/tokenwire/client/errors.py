@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import grpc
 from google.rpc import error_details_pb2, status_pb2
-
-STATUS_DETAILS_HEADER = "grpc-status-details-bin"
+from grpc_status import rpc_status
 
 
 @dataclass(frozen=True)
@@ -66,14 +65,15 @@ class TokenwireError(Exception):
 
     @classmethod
     def from_rpc_error(cls, error: grpc.RpcError) -> TokenwireError:
-        """Decode a failed call; details come from the grpc-status-details-bin trailer."""
+        """Decode a failed call; details come from its grpc-status-details-bin trailer."""
         code: grpc.StatusCode = error.code()
         message: str = error.details() or ""
-        trailers = error.trailing_metadata() or ()
-        for key, value in trailers:
-            if key == STATUS_DETAILS_HEADER and isinstance(value, bytes):
-                status = status_pb2.Status.FromString(value)
-                decoded = cls.from_status(status)
-                decoded.message = message or decoded.message
-                return decoded
-        return cls(code, message)
+        try:
+            status = rpc_status.from_call(error)
+        except ValueError:  # details that contradict the call's own code or message: keep the call's
+            status = None
+        if status is None:
+            return cls(code, message)
+        decoded = cls.from_status(status)
+        decoded.message = message or decoded.message
+        return decoded

@@ -8,7 +8,7 @@ from collections.abc import Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
@@ -62,7 +62,7 @@ class TokenwireServer:
         self.registry = ModelRegistry()
         self._wrap_model = wrap_model
         self._server: grpc.aio.Server | None = None
-        self.health = HealthReporter(HealthServicer(), ("", SERVICE_NAME), settings.health)
+        self.health = HealthReporter(health_aio.HealthServicer(), ("", SERVICE_NAME), settings.health)
         self.telemetry = Telemetry(settings, engines=self._engines, span_exporter=span_exporter)
         self.load_tracker = LoadTracker()
         watermarks = self.health if settings.health.queue_high_watermark is not None else None

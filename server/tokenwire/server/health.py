@@ -17,7 +17,7 @@ import logging
 from collections.abc import Sequence
 
 from grpc_health.v1 import health_pb2
-from grpc_health.v1._async import HealthServicer
+from grpc_health.v1.health import aio as health_aio
 
 from tokenwire.server.config import HealthSettings
 from tokenwire.server.engine.observer import NullObserver
@@ -32,7 +32,9 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 class HealthReporter(NullObserver):
     """Publishes one status for `services`; implements EngineObserver for the queue watermarks."""
 
-    def __init__(self, servicer: HealthServicer, services: Sequence[str], settings: HealthSettings) -> None:
+    def __init__(
+        self, servicer: health_aio.HealthServicer, services: Sequence[str], settings: HealthSettings
+    ) -> None:
         self.servicer = servicer
         self._services = tuple(services)
         self._high = settings.queue_high_watermark

@@ -6,6 +6,7 @@ import grpc
 from google.protobuf import any_pb2
 from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 
@@ -22,7 +23,6 @@ CODES: dict[ErrorKind, grpc.StatusCode] = {
 }
 
 RETRY_PUSHBACK_HEADER = "grpc-retry-pushback-ms"
-STATUS_DETAILS_HEADER = "grpc-status-details-bin"
 
 
 def status_proto(error: GenerationError) -> status_pb2.Status:
@@ -46,19 +46,19 @@ def status_proto(error: GenerationError) -> status_pb2.Status:
     return status_pb2.Status(code=code.value[0], message=error.message, details=details)
 
 
-def trailing_metadata(error: GenerationError) -> tuple[tuple[str, str | bytes], ...]:
-    """Trailers of a failed unary call: rich details, plus gRPC's retry pushback when known."""
-    metadata: list[tuple[str, str | bytes]] = [
-        (STATUS_DETAILS_HEADER, status_proto(error).SerializeToString())
-    ]
+def grpc_status(error: GenerationError) -> grpc.Status:
+    """The status that ends a failed unary call: rich details (grpc_status's own encoding of the
+    grpc-status-details-bin trailer), plus gRPC's retry pushback when known."""
+    status = rpc_status.to_status(status_proto(error))
     if error.retry_after is not None:
-        metadata.append((RETRY_PUSHBACK_HEADER, str(retry_pushback_ms(error.retry_after))))
-    return tuple(metadata)
+        pushback = (RETRY_PUSHBACK_HEADER, str(retry_pushback_ms(error.retry_after)))
+        status = status._replace(trailing_metadata=(*status.trailing_metadata, pushback))
+    return status
 
 
 async def abort(context: grpc.aio.ServicerContext, error: GenerationError) -> None:
     """End the call with `error`'s status; never returns."""
-    await context.abort(CODES[error.kind], error.message, trailing_metadata=trailing_metadata(error))
+    await context.abort_with_status(grpc_status(error))
 
 
 def retry_pushback_ms(seconds: float) -> int:
