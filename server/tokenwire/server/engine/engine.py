@@ -78,10 +78,11 @@ class EngineStats:
     rejected: int = 0
     """Requests refused at admission because the queue was full."""
     abort_requests: int = 0
-    """Aborts received for live requests (cancel, disconnect, deadline, shutdown)."""
+    """Aborts callers asked for, of live requests (cancel, disconnect, deadline); not shutdown's."""
     prefill_chunks: int = 0
     finished: int = 0
     aborted: int = 0
+    """Requests that an abort a caller asked for ended (a request may end by itself first)."""
     max_abort_latency_steps: int = 0
     """Most decode steps any aborted sequence took part in after its abort was requested."""
     orphaned_steps: int = 0
