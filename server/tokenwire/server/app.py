@@ -13,7 +13,7 @@ from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from tokenwire.server.api.chat import chat_prompts
-from tokenwire.server.api.handlers import add_inference_service
+from tokenwire.server.api.handlers import SERVICE_NAME, add_inference_service
 from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaService, add_orca_service
 from tokenwire.server.api.registry import ModelRegistry, ServedModel
 from tokenwire.server.api.servicer import InferenceServicer
@@ -30,13 +30,12 @@ from tokenwire.server.models.session import SessionSettings
 from tokenwire.server.models.warmup import warm_up
 from tokenwire.server.observers import ObserverFanOut
 from tokenwire.server.security import tls
-from tokenwire.server.security.auth import BearerTokenInterceptor, Metadata
+from tokenwire.server.security.auth import BearerTokenInterceptor
 from tokenwire.server.telemetry.exporters import Telemetry
-from tokenwire.v1 import inference_service_pb2 as pb
+from tokenwire.server.telemetry.tracing import Metadata
 
 log = logging.getLogger(__name__)
 
-SERVICE_NAME = pb.DESCRIPTOR.services_by_name["InferenceService"].full_name
 LOAD_REPORTED_METHODS = frozenset({f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/StreamGenerate"})
 ORCA_MIN_REPORT_INTERVAL = 1.0
 """Seconds: the shortest out-of-band load report interval a client may ask for."""

@@ -15,8 +15,6 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-import onnxruntime as ort
-
 from tokenwire.server.models.optimum_runner import OptimumRunner
 from tokenwire.server.models.runner import ModelInfo, ModelRunner
 from tokenwire.server.models.session import SessionSettings, choose_provider, create_session, ort_device_name
@@ -93,7 +91,6 @@ class _Common:
         self,
         *,
         model_format: str,
-        session: ort.InferenceSession,
         vocab_size: object,
         declared_context: object,
         eos_token_ids: set[int],
@@ -109,7 +106,6 @@ class _Common:
             eos_token_ids=frozenset(eos_token_ids) | self.eos_from_tokenizer,
             max_batch_size=self.settings.max_batch_size,
             default_temperature=_default_temperature(search_defaults),
-            execution_provider=session.get_providers()[0],
         )
 
     def loaded(self, info: ModelInfo, runner: ModelRunner) -> LoadedModel:
@@ -139,7 +135,6 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
     layout = SharedKvLayout.from_session(session, config)
     info = common.info(
         model_format="genai",
-        session=session,
         vocab_size=model_cfg.get("vocab_size"),
         declared_context=model_cfg.get("context_length"),
         eos_token_ids=_token_ids(model_cfg.get("eos_token_id")),
@@ -177,7 +172,6 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
     session = create_session(model_dir / "model.onnx", common.settings.session)
     info = common.info(
         model_format="optimum",
-        session=session,
         vocab_size=config.get("vocab_size"),
         declared_context=next((config[k] for k in context_keys if isinstance(config.get(k), int)), None),
         eos_token_ids=_token_ids(generation.get("eos_token_id")) | _token_ids(config.get("eos_token_id")),
@@ -283,7 +277,3 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> ChatTem
         bos_token=_token_text(tokenizer_config.get("bos_token")) or "",
         eos_token=_token_text(tokenizer_config.get("eos_token")) or "",
     )
-
-
-def available_providers() -> list[str]:
-    return list(ort.get_available_providers())

@@ -8,7 +8,7 @@ inside the runner. All methods are called from the engine thread only.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import numpy as np
@@ -27,10 +27,8 @@ class ModelInfo:
     max_batch_size: int
     default_temperature: float = 0.0
     """Temperature used when a request leaves it unset (from the model's search defaults)."""
-    execution_provider: str = "CPUExecutionProvider"
     kv_cache_bytes: int = 0
     """Bytes preallocated for the KV cache (0 where the cache grows on demand)."""
-    extra: dict[str, str] = field(default_factory=dict)
 
 
 class ModelRunnerError(RuntimeError):

@@ -16,7 +16,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
-from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +24,7 @@ import grpc
 
 from tokenwire.server.api import errors
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.telemetry.tracing import Metadata
 
 AUTH_TOKENS_ENV = "TOKENWIRE_AUTH_TOKENS"
 LOAD_BALANCER_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/xds.service.orca.v3.OpenRcaService/")
@@ -38,7 +39,6 @@ MISSING = GenerationError(
 )
 INVALID = GenerationError(ErrorKind.UNAUTHENTICATED, "the bearer token is not valid", reason="TOKEN_INVALID")
 
-Metadata = Sequence[tuple[str, str | bytes]]
 RefusalListener = Callable[[str, Metadata | None, GenerationError], None]
 """Hears (full method name, call metadata, error) for each refused call."""
 

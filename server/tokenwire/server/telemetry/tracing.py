@@ -22,6 +22,7 @@ from tokenwire.server.telemetry.summary import RequestSummary
 RPC_SERVICE = "tokenwire.v1.InferenceService"
 
 Metadata = Sequence[tuple[str, str | bytes]]
+"""gRPC invocation metadata: (key, value) pairs, bytes for keys ending in -bin."""
 
 _PROPAGATOR = TraceContextTextMapPropagator()
 _TRACE_HEADERS = frozenset(_PROPAGATOR.fields)

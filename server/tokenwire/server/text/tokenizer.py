@@ -50,7 +50,3 @@ class Tokenizer:
     def token_to_id(self, token: str) -> int | None:
         found = self._backend.token_to_id(token)
         return None if found is None else int(found)
-
-    def id_to_token(self, token_id: int) -> str | None:
-        found = self._backend.id_to_token(token_id)
-        return None if found is None else str(found)
