@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 
 @dataclass(frozen=True)
@@ -15,9 +16,11 @@ class ServeProcess:
     """0 when the server exports no Prometheus endpoint."""
 
 
-def start_serve(*flags: str) -> ServeProcess:
+def start_serve(*flags: str, log: Path | None = None) -> ServeProcess:
     """Start `tokenwire serve FLAGS...` on a free loopback port (CPU, one thread) and wait until it
-    serves; its stdout is read up to the "serving on" line for the ports."""
+    serves; its stdout is read up to the "serving on" line for the ports. Its log (stderr) goes to
+    `log`, or nowhere."""
+    log_file = log.open("w", encoding="utf-8") if log is not None else None
     process = subprocess.Popen(
         [
             sys.executable,
@@ -35,9 +38,11 @@ def start_serve(*flags: str) -> ServeProcess:
             *flags,
         ],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=log_file if log_file is not None else subprocess.DEVNULL,
         text=True,
     )
+    if log_file is not None:
+        log_file.close()  # the child holds its own descriptor
     assert process.stdout is not None
     metrics_port = 0
     for line in process.stdout:
