@@ -22,7 +22,7 @@ from tokenwire.server.engine.engine import Engine, EngineConfig
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.engine.validation import RequestValidator
-from tokenwire.server.health import HealthReporter
+from tokenwire.server.health import HealthReporter, start_health_listener
 from tokenwire.server.lifecycle import Lifecycle, ServingPhase
 from tokenwire.server.load import LoadTracker
 from tokenwire.server.models.loader import LoadedModel, LoadSettings, load_model
@@ -61,6 +61,9 @@ class TokenwireServer:
         self.registry = ModelRegistry()
         self._wrap_model = wrap_model
         self._server: grpc.aio.Server | None = None
+        self._health_server: grpc.aio.Server | None = None
+        self.health_port: int | None = None
+        """Port of the plaintext health listener once started; None without --health-port."""
         self.health = HealthReporter(health_aio.HealthServicer(), ("", SERVICE_NAME), settings.health)
         self.telemetry = Telemetry(settings, engines=self._engines, span_exporter=span_exporter)
         self.load_tracker = LoadTracker()
@@ -92,6 +95,16 @@ class TokenwireServer:
         self.lifecycle.subscribe(self.health.phase_changed)
         assert self._server is not None
         await self._server.start()
+        if settings.health.port is not None:
+            try:
+                self._health_server, self.health_port = await start_health_listener(
+                    self.health.servicer, settings.host, settings.health.port
+                )
+            except BaseException:
+                await self._server.stop(0)
+                await asyncio.to_thread(self.telemetry.shutdown)
+                raise
+            log.info("grpc.health.v1 also on %s:%d (plaintext, no token)", settings.host, self.health_port)
         log.info(
             "listening on %s:%d (%s%s)",
             settings.host,
@@ -191,6 +204,9 @@ class TokenwireServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self._health_server is not None:
+            await self._health_server.stop(0)
+            self._health_server = None
         await asyncio.to_thread(self.telemetry.shutdown)
 
     def _engines(self) -> list[Engine]:

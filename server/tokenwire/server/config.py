@@ -154,6 +154,14 @@ class TlsSettings:
 
 @dataclass(frozen=True)
 class HealthSettings:
+    port: int | None = setting(
+        None,
+        "port of a second listener, always plaintext and without tokens, that serves only grpc.health.v1 "
+        "(for Kubernetes gRPC probes, which speak neither TLS nor tokens; 0 picks one)",
+        check=_port_problem,
+        metavar="PORT",
+    )
+    """None: health is served on the gRPC port only."""
     queue_high_watermark: int | None = setting(
         None,
         "report NOT_SERVING on grpc.health.v1 once a model's "
@@ -292,12 +300,16 @@ class ServerSettings:
 
     def _health_problems(self) -> list[str]:
         health = self.health
+        problems: list[str] = []
+        if health.port not in (None, 0):
+            for flag, taken in (("--port", self.port), ("--metrics-port", self.telemetry.metrics_port)):
+                if health.port == taken:
+                    problems.append(f"--health-port: {health.port} is also the {flag}")
         high = health.queue_high_watermark
         if high is None:
             if health.queue_low_watermark is not None:
-                return ["--health-queue-low-watermark: needs --health-queue-high-watermark"]
-            return []
-        problems: list[str] = []
+                problems.append("--health-queue-low-watermark: needs --health-queue-high-watermark")
+            return problems
         if not 1 <= high <= self.max_queue_size:
             problems.append(
                 f"--health-queue-high-watermark: must be between 1 and --max-queue-size "

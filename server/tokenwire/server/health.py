@@ -1,5 +1,11 @@
 """What grpc.health.v1 reports: SERVING only while the server serves and no queue is overloaded.
 
+That is the status of "" and of the inference service. A third entry, `liveness`, is SERVING
+for as long as the server answers at all, through loading, overload and drain: what a liveness
+probe asks, so that none of those gets a working process restarted. With --health-port the
+same statuses are also served on a plaintext listener of their own, for probes (Kubernetes'
+gRPC probes) that speak neither TLS nor bearer tokens.
+
 The lifecycle decides the basics (NOT_SERVING while loading and draining). With a queue high
 watermark, a model whose queue reaches it turns health NOT_SERVING so load balancers send new
 work elsewhere, while requests already routed here are still accepted; health turns SERVING
@@ -16,7 +22,8 @@ import contextlib
 import logging
 from collections.abc import Sequence
 
-from grpc_health.v1 import health_pb2
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 
 from tokenwire.server.config import HealthSettings
@@ -27,6 +34,7 @@ log = logging.getLogger(__name__)
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+LIVENESS_SERVICE = "liveness"
 
 
 class HealthReporter(NullObserver):
@@ -49,8 +57,9 @@ class HealthReporter(NullObserver):
         self._updates: set[asyncio.Task[None]] = set()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> None:
-        """Use `loop` for updates (call from it, before the engines start)."""
+        """Use `loop` for updates (call from it, before the engines start); liveness is SERVING."""
         self._loop = loop
+        self._set(LIVENESS_SERVICE, SERVING)
 
     @property
     def overloaded(self) -> bool:
@@ -106,8 +115,28 @@ class HealthReporter(NullObserver):
             return
         self._published = status
         for service in self._services:
-            # Tasks start in creation order and set() does not yield before it takes effect, so
-            # watchers see the statuses in the order they were published.
-            update = asyncio.ensure_future(self.servicer.set(service, status))
-            self._updates.add(update)
-            update.add_done_callback(self._updates.discard)
+            self._set(service, status)
+
+    def _set(self, service: str, status: int) -> None:
+        # Tasks start in creation order and set() does not yield before it takes effect, so
+        # watchers see the statuses in the order they were published.
+        update = asyncio.ensure_future(self.servicer.set(service, status))
+        self._updates.add(update)
+        update.add_done_callback(self._updates.discard)
+
+
+async def start_health_listener(
+    servicer: health_aio.HealthServicer, host: str, port: int
+) -> tuple[grpc.aio.Server, int]:
+    """A plaintext server of grpc.health.v1 alone on `host:port`, started; returns it and its port."""
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(servicer, server)
+    address = f"{host}:{port}"
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError as error:  # gRPC reports a port it cannot bind this way
+        raise OSError(f"--health-port: cannot listen on {address}: {error}") from error
+    if bound == 0:
+        raise OSError(f"--health-port: cannot listen on {address}")
+    await server.start()
+    return server, int(bound)
