@@ -37,7 +37,7 @@ ENGINE_PARTS = (
     ("runner around run(): ids, mask, compaction, logits gather", ("SharedKvRunner.decode",)),
     ("runner around run(): prefill binding and logits", ("SharedKvRunner.prefill",)),
     ("event hand-off to the event loop: _flush/_emit", ("Engine._flush", "Engine._emit")),
-    ("finishing requests: results, timing, release", ("Engine._finish_completed", "Engine._retire")),
+    ("finishing requests: results, timing, release", ("Engine._finish",)),
     (
         "scheduling: admit, aborts, deadlines, occupancy",
         ("Engine._admit", "Engine._apply_aborts", "Engine._expire_deadlines", "Engine._report_occupancy"),
