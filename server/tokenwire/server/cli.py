@@ -61,9 +61,21 @@ def _serve(args: argparse.Namespace) -> int:
     from tokenwire.server.telemetry.logs import configure_logging
 
     configure_logging(settings.telemetry.log_level, settings.telemetry.log_format)
+    from tokenwire.server.models.runtime_check import runtime_problems
+
+    # Before any download or model load: ONNX Runtime itself falls back to the CPU with only a
+    # warning in the log when CUDA cannot load.
+    problems = runtime_problems(settings.device)
+    if problems:
+        device = settings.device
+        print(f"tokenwire serve: ONNX Runtime cannot run with --device {device} here", file=sys.stderr)
+        for found in problems:
+            print(f"  missing: {found.missing}\n  fix: {found.fix}", file=sys.stderr)
+        return 1
     if not settings.models:
         from tokenwire.server.model_tools.pull import pull_model
-        from tokenwire.server.models.session import CUDA_PROVIDER, choose_provider
+        from tokenwire.server.models.runtime_check import CUDA_PROVIDER
+        from tokenwire.server.models.session import choose_provider
 
         # GroupQueryAttention on CUDA is half precision only: a GPU gets the float16 export.
         dtype = "float16" if choose_provider(settings.device) == CUDA_PROVIDER else "float32"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 from tokenwire.server.engine.validation import RequestLimits
-from tokenwire.server.models.session import Device
+from tokenwire.server.models.runtime_check import Device
 from tokenwire.server.settings_schema import (
     ENGINE,
     HEALTH,

@@ -5,19 +5,17 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
 
 import numpy as np
 import onnxruntime as ort
 
 from tokenwire.server.models.runner import ModelRunnerError
+from tokenwire.server.models.runtime_check import CUDA_PROVIDER, Device
 
 log = logging.getLogger(__name__)
 
-Device = Literal["auto", "cpu", "cuda"]
 
 CPU_PROVIDER = "CPUExecutionProvider"
-CUDA_PROVIDER = "CUDAExecutionProvider"
 
 FLOAT_TENSOR_TYPES: dict[str, np.dtype[np.floating]] = {
     "tensor(float)": np.dtype(np.float32),
