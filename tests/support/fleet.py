@@ -12,6 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from tests.conftest import tiny_settings
+from tests.support.stepping import StepGate, gated
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.config import ModelSource
 
@@ -35,16 +36,17 @@ async def fleet(
     count: int = 3,
     *,
     prepare: Callable[[int, TokenwireServer], None] | None = None,
+    gate: StepGate | None = None,
     **overrides: object,
 ) -> AsyncIterator[list[TokenwireServer]]:
     """Start and load `count` replicas (stopped on exit); `prepare(index, server)` runs on each
-    before it starts."""
+    before it starts. With a `gate`, every replica's decode steps wait for it (opened on exit)."""
     servers: list[TokenwireServer] = []
     try:
         for index in range(count):
             settings = tiny_settings(model_dir, host=replica_host(index), **overrides)
             settings = replace(settings, models=(ModelSource(model_dir, replica_name(index)),))
-            server = TokenwireServer(settings)
+            server = TokenwireServer(settings, wrap_model=gated(gate) if gate is not None else None)
             servers.append(server)
             if prepare is not None:
                 prepare(index, server)
@@ -52,5 +54,7 @@ async def fleet(
             await server.load()
         yield servers
     finally:
+        if gate is not None:
+            gate.open()
         for server in servers:
             await server.stop(grace=0)
