@@ -3,8 +3,14 @@ runs Generate and StreamGenerate, and reads the rich error of a bad request."""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import json
 from typing import Any
+
+import grpc
+from google.protobuf import descriptor_pool, json_format, message_factory
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from tests.interop.conftest import require_node_module, require_tool, run_tool
 from tests.reliability.recovery import assert_recovered
@@ -115,3 +121,31 @@ async def test_buf_curl_shows_invalid_argument_with_its_bad_request_detail(serve
     assert error["code"] == "invalid_argument"
     assert "prompt" in error["message"]
     assert [d["type"] for d in error["details"]] == ["google.rpc.BadRequest"]
+
+
+def decode_with_reflection(port: int, type_name: str, value: bytes) -> tuple[str, dict[str, Any]]:
+    """The file the server's reflection serves for `type_name`, and `value` decoded with it in a
+    pool that holds nothing else, as a reflection client such as grpcurl decodes it."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        pool = descriptor_pool.DescriptorPool(ProtoReflectionDescriptorDatabase(channel))
+        descriptor = pool.FindMessageTypeByName(type_name)
+        message = message_factory.GetMessageClass(descriptor).FromString(value)
+        return descriptor.file.name, json_format.MessageToDict(message)
+
+
+async def test_the_bad_request_detail_buf_curl_prints_reads_as_json_with_the_served_schema(
+    server: TokenwireServer,
+) -> None:
+    # buf curl prints a detail's bytes in base64 and decodes only the types built into buf itself;
+    # the server's reflection serves google/rpc/error_details.proto, which turns them into JSON.
+    code, _, err = await buf_curl(
+        server.port, "-d", json.dumps({"prompt": ""}), f"http://127.0.0.1:{server.port}/{SERVICE}/Generate"
+    )
+    assert code != 0
+    (detail,) = json.loads(err)["details"]
+    assert detail["type"] == "google.rpc.BadRequest"
+    value = base64.b64decode(detail["value"] + "=" * (-len(detail["value"]) % 4))
+
+    served, readable = await asyncio.to_thread(decode_with_reflection, server.port, detail["type"], value)
+    assert served == "google/rpc/error_details.proto"
+    assert readable == {"fieldViolations": [{"field": "prompt", "description": "must not be empty"}]}
