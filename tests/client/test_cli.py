@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from tokenwire.server.app import TokenwireServer
@@ -71,6 +73,40 @@ async def test_generate_reports_bad_flags_with_the_field(
     )
     assert code == 1
     assert "INVALID_ARGUMENT" in err and "sampling.top_p" in err
+
+
+async def test_generate_shapes_the_output_with_json_schema_regex_or_choice(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"ok": {"type": "boolean"}, "n": {"type": "integer", "minimum": 0, "maximum": 9}},
+        "required": ["ok", "n"],
+        "additionalProperties": False,
+    }
+    schema_file = tmp_path / "schema.json"
+    schema_file.write_text(json.dumps(schema))
+    common = (
+        "generate",
+        "--server",
+        f"127.0.0.1:{server.port}",
+        "--raw",
+        "--temperature",
+        "1",
+        "--seed",
+        "3",
+    )
+    code, out, _ = await run_cli(capsys, *common, "--json-schema", str(schema_file), "Answer:")
+    assert code == 0
+    jsonschema.validate(json.loads(out), schema)
+    code, out, _ = await run_cli(capsys, *common, "--stream", "--regex", "[a-c]{4}", "Answer:")
+    assert code == 0 and re.fullmatch("[a-c]{4}", out.strip())
+    code, out, _ = await run_cli(capsys, *common, "--choice", "red", "--choice", "green", "Answer:")
+    assert code == 0 and out.strip() in ("red", "green")
+    code, _, err = await run_cli(capsys, *common, "--regex", "a(", "Answer:")
+    assert code == 1 and "response_format.regex" in err
+    code, _, err = await run_cli(capsys, *common, "--json-schema", str(tmp_path / "missing.json"), "Answer:")
+    assert code == 2 and "--json-schema" in err
 
 
 @pytest.mark.parametrize(("flags", "chat"), [((), True), (("--chat",), True), (("--raw",), False)])

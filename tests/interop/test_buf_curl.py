@@ -9,6 +9,7 @@ import json
 from typing import Any
 
 import grpc
+import jsonschema
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
@@ -149,3 +150,24 @@ async def test_the_bad_request_detail_buf_curl_prints_reads_as_json_with_the_ser
     served, readable = await asyncio.to_thread(decode_with_reflection, server.port, detail["type"], value)
     assert served == "google/rpc/error_details.proto"
     assert readable == {"fieldViolations": [{"field": "prompt", "description": "must not be empty"}]}
+
+
+async def test_buf_curl_asks_for_json_that_validates_against_a_schema(server: TokenwireServer) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"label": {"enum": ["spam", "ham"]}, "score": {"type": "integer", "maximum": 9}},
+        "required": ["label", "score"],
+        "additionalProperties": False,
+    }
+    body = {
+        "prompt": "Classify:",
+        "sampling": {"temperature": 1, "seed": "5"},
+        "responseFormat": {"jsonSchema": json.dumps(schema)},
+    }
+    code, out, err = await buf_curl(
+        server.port, "-d", json.dumps(body), f"http://127.0.0.1:{server.port}/{SERVICE}/Generate"
+    )
+    assert code == 0, err
+    response = json.loads(out)
+    assert response["finishReason"] == "FINISH_REASON_EOS"
+    jsonschema.validate(json.loads(response["text"]), schema)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import grpc
 
@@ -19,6 +20,7 @@ from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import AsyncClient
+from tokenwire.server.app import TokenwireServer
 
 
 async def test_node_grpc_js_client_streams_cancels_one_generation_and_half_closes(
@@ -63,3 +65,21 @@ async def test_node_grpc_js_client_streams_cancels_one_generation_and_half_close
     assert kept_tokens == list(reference.token_ids[:12])
     assert cancelled_tokens == list(reference.token_ids[: len(cancelled_tokens)])
     await assert_recovered(server)
+
+
+async def test_node_grpc_js_client_gets_output_shaped_by_each_response_format(
+    server: TokenwireServer,
+) -> None:
+    node = require_tool("node")
+    require_node_module("@grpc/grpc-js")
+    require_node_module("@grpc/proto-loader")
+    finished = await run_tool(node, "tests/interop/response_format.cjs", f"127.0.0.1:{server.port}")
+    assert finished.code == 0, finished.stderr
+    report = json.loads(finished.stdout)
+    shaped = json.loads(report["jsonSchema"]["text"])
+    assert isinstance(shaped["ok"], bool) and 0 <= shaped["n"] <= 99 and set(shaped) == {"ok", "n"}
+    assert re.fullmatch("[a-f]{3}-[0-9]{2}", report["regex"]["text"])
+    assert report["choice"]["text"] in ("left", "right")
+    assert all(report[k]["finishReason"] == "FINISH_REASON_EOS" for k in ("jsonSchema", "regex", "choice"))
+    assert report["badRegex"]["code"] == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+    assert "response_format.regex" in report["badRegex"]["details"]

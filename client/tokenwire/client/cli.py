@@ -21,6 +21,7 @@ from tokenwire.client.types import (
     GenerateOptions,
     Generation,
     Queued,
+    ResponseFormat,
     Sampling,
     Started,
     Stopping,
@@ -63,6 +64,14 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
     generate.add_argument("--timeout", type=float, help="server-side deadline in seconds")
+    shape = generate.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--json-schema", type=Path, metavar="FILE", help="the output is JSON valid against this JSON Schema"
+    )
+    shape.add_argument("--regex", help="the whole output matches this regular expression")
+    shape.add_argument(
+        "--choice", action="append", metavar="TEXT", help="the output is one of these strings (repeatable)"
+    )
     generate.set_defaults(handler=run_generate)
 
     models = commands.add_parser("models", help="list the models a server serves")
@@ -112,12 +121,27 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos
         ),
         timeout=args.timeout,
+        response_format=_response_format(args),
     )
+
+
+def _response_format(args: argparse.Namespace) -> ResponseFormat | None:
+    if args.json_schema is not None:
+        return ResponseFormat(json_schema=args.json_schema.read_text())
+    if args.regex is not None:
+        return ResponseFormat(regex=args.regex)
+    if args.choice:
+        return ResponseFormat(choice=tuple(args.choice))
+    return None
 
 
 def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
     out = out or sys.stdout
-    options = _options(args)
+    try:
+        options = _options(args)
+    except OSError as error:
+        print(f"tokenwire generate: --json-schema: {error}", file=sys.stderr)
+        return 2
     # The timeline goes to stderr so that stdout carries the generated text alone.
     timeline = args.stream if args.timeline is None else args.timeline
     try:

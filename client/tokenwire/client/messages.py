@@ -66,6 +66,16 @@ def generate_request(prompt: Prompt, options: GenerateOptions, request_id: str =
     message.stopping.ignore_eos = stopping.ignore_eos
     if options.timeout is not None:
         message.timeout.CopyFrom(_duration(options.timeout))
+    response_format = options.response_format
+    if response_format is not None:
+        if response_format.json_schema is not None:
+            message.response_format.json_schema = response_format.json_schema
+        elif response_format.regex is not None:
+            message.response_format.regex = response_format.regex
+        elif response_format.choice is not None:
+            message.response_format.choice.options.extend(response_format.choice)
+        elif response_format.grammar is not None:
+            message.response_format.grammar = response_format.grammar
     return message
 
 

@@ -40,6 +40,18 @@ class Stopping:
 
 
 @dataclass(frozen=True)
+class ResponseFormat:
+    """What the output must match; set exactly one field. See GenerateRequest.response_format."""
+
+    json_schema: str | None = None
+    """A JSON Schema as JSON text (json.dumps a dict)."""
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None
+    """A Lark grammar whose rule `start` is the whole output."""
+
+
+@dataclass(frozen=True)
 class GenerateOptions:
     """Everything about a generation besides its input."""
 
@@ -50,6 +62,7 @@ class GenerateOptions:
     top_logprobs: int = 0
     timeout: float | None = None
     """Per-request deadline in seconds, enforced by the server through queue and generation."""
+    response_format: ResponseFormat | None = None
 
 
 @dataclass(frozen=True)

@@ -72,6 +72,7 @@ class GenerateRequest(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
+    RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen identifier, at most 128 characters. Required in StreamGenerate, where it must be
     unique among the stream's live requests; optional in Generate, where the server assigns one
@@ -120,6 +121,17 @@ class GenerateRequest(_message.Message):
         the earlier of the two wins). Must be positive when set.
         """
 
+    @_builtins.property
+    def response_format(self) -> Global___ResponseFormat:
+        """What the generated text must match. Unset: free text. When set, every token is chosen among
+        those that keep the output a valid prefix of the format, so a generation that ends by itself
+        (finish_reason EOS) matches it completely; one cut short by max_new_tokens, a stop string or
+        the context (LENGTH or STOP) is a prefix of a match. Works with every sampling setting.
+        INVALID_ARGUMENT naming "response_format..." when the format cannot be compiled (the reason
+        comes from the format compiler) or takes longer than the server's bound to compile; also when
+        combined with stopping.ignore_eos, since a complete match must end the output.
+        """
+
     def __init__(
         self,
         *,
@@ -133,16 +145,94 @@ class GenerateRequest(_message.Message):
         logprobs: _builtins.bool = ...,
         top_logprobs: _builtins.int = ...,
         timeout: _duration_pb2.Duration | None = ...,
+        response_format: Global___ResponseFormat | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "prompt", b"prompt", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt: _TypeAlias = _typing.Literal["prompt"]  # noqa: Y015
     _WhichOneofArgType__prompt: _TypeAlias = _typing.Literal["_prompt", b"_prompt"]  # noqa: Y015
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt) -> _WhichOneofReturnType__prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ResponseFormat(_message.Message):
+    """ResponseFormat constrains the generated text to a format. Set one field; a ResponseFormat with
+    none set means free text.
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    JSON_SCHEMA_FIELD_NUMBER: _builtins.int
+    REGEX_FIELD_NUMBER: _builtins.int
+    CHOICE_FIELD_NUMBER: _builtins.int
+    GRAMMAR_FIELD_NUMBER: _builtins.int
+    json_schema: _builtins.str
+    """A JSON Schema, as JSON text (at most 65,536 characters). The output is one JSON value that
+    validates against it. Supported: type (including lists of types), properties, required,
+    additionalProperties, patternProperties, enum, const, items, prefixItems,
+    minItems/maxItems, minLength/maxLength, pattern, format (date-time, email, uuid and more),
+    minimum/maximum and their exclusive forms, multipleOf, anyOf, oneOf, allOf, $ref and $defs
+    (recursion included). Keywords the compiler cannot enforce, such as uniqueItems, are
+    refused with INVALID_ARGUMENT rather than ignored. The output has no whitespace but one
+    space after each ',' and ':' (a schema may choose otherwise through llguidance's
+    "x-guidance" key).
+    """
+    regex: _builtins.str
+    """A regular expression (Rust `regex` syntax, at most 4,096 characters) the whole output must
+    match; it is anchored at both ends.
+    """
+    grammar: _builtins.str
+    """A context-free grammar in Lark syntax (llguidance's dialect; the rule `start` is the whole
+    output), at most 65,536 characters.
+    """
+    @_builtins.property
+    def choice(self) -> Global___Choice:
+        """The output is exactly one of these strings."""
+
+    def __init__(
+        self,
+        *,
+        json_schema: _builtins.str = ...,
+        regex: _builtins.str = ...,
+        choice: Global___Choice | None = ...,
+        grammar: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "format", b"format", "grammar", b"grammar", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "format", b"format", "grammar", b"grammar", "json_schema", b"json_schema", "regex", b"regex"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_format: _TypeAlias = _typing.Literal["json_schema", "regex", "choice", "grammar"]  # noqa: Y015
+    _WhichOneofArgType_format: _TypeAlias = _typing.Literal["format", b"format"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_format) -> _WhichOneofReturnType_format | None: ...
+
+Global___ResponseFormat: _TypeAlias = ResponseFormat  # noqa: Y015
+
+@_typing.final
+class Choice(_message.Message):
+    """Choice lists the strings an output may be."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    OPTIONS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def options(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The allowed outputs: 1 to 256 non-empty strings of at most 1,024 characters each."""
+
+    def __init__(
+        self,
+        *,
+        options: _abc.Iterable[_builtins.str] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["options", b"options"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Choice: _TypeAlias = Choice  # noqa: Y015
 
 @_typing.final
 class ChatMessage(_message.Message):

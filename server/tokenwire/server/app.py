@@ -20,6 +20,7 @@ from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.config import ServerSettings
 from tokenwire.server.engine.engine import Engine, EngineConfig
 from tokenwire.server.engine.errors import GenerationError
+from tokenwire.server.engine.format_cache import FormatCache
 from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.engine.validation import RequestValidator
 from tokenwire.server.health import HealthReporter, start_health_listener
@@ -29,6 +30,7 @@ from tokenwire.server.models.loader import LoadedModel, LoadSettings, load_model
 from tokenwire.server.models.session import SessionSettings
 from tokenwire.server.models.warmup import warm_up
 from tokenwire.server.observers import ObserverFanOut
+from tokenwire.server.sampling.constraint import FormatCompiler
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import BearerTokenInterceptor
 from tokenwire.server.telemetry.exporters import Telemetry
@@ -167,6 +169,13 @@ class TokenwireServer:
             await asyncio.to_thread(warm_up, loaded.runner)
             if self._wrap_model is not None:
                 loaded = self._wrap_model(loaded)
+            # Building the format library's view of the vocabulary takes a second on a real one.
+            compiler = await asyncio.to_thread(
+                FormatCompiler,
+                loaded.tokenizer.to_json(),
+                vocab_size=loaded.info.vocab_size,
+                eos_token_ids=loaded.info.eos_token_ids,
+            )
             engine = Engine(
                 loaded.runner,
                 loaded.tokenizer,
@@ -177,6 +186,7 @@ class TokenwireServer:
                 ),
                 observer=self._observer,
                 check_accepting=self.lifecycle.check_accepting,
+                formats=FormatCache(compiler, settings.formats),
             )
             engine.start()
             chat = chat_prompts(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from tokenwire.server.engine.format_cache import FormatLimits
 from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.models.runtime_check import Device
 from tokenwire.server.settings_schema import (
@@ -204,6 +205,7 @@ class ServerSettings:
         0, "ONNX Runtime threads per operator (0: one per core)", group=ENGINE, minimum=0
     )
     limits: RequestLimits = settings_group(RequestLimits, group=ENGINE)
+    formats: FormatLimits = settings_group(FormatLimits, group=ENGINE, prefix="format_")
     host: str = setting("0.0.0.0", "address to listen on", group=NETWORK, metavar="ADDRESS")
     port: int = setting(
         DEFAULT_PORT, "gRPC port (0 picks one)", group=NETWORK, check=_port_problem, metavar="PORT"

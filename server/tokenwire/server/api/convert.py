@@ -18,6 +18,7 @@ from tokenwire.server.engine.types import (
 )
 from tokenwire.server.engine.validation import RequestSpec
 from tokenwire.server.models.runner import ModelInfo
+from tokenwire.server.sampling.params import FormatKind, ResponseFormat
 from tokenwire.server.text.chat import ChatTurn
 from tokenwire.v1 import inference_service_pb2 as pb
 
@@ -50,7 +51,24 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         timeout=_seconds(message.timeout) if message.HasField("timeout") else None,
+        response_format=(
+            response_format(message.response_format) if message.HasField("response_format") else None
+        ),
     )
+
+
+def response_format(message: pb.ResponseFormat) -> ResponseFormat | None:
+    """The format asked for; None when the message sets none of its fields."""
+    kind = message.WhichOneof("format")
+    if kind == "json_schema":
+        return ResponseFormat(FormatKind.JSON_SCHEMA, message.json_schema)
+    if kind == "regex":
+        return ResponseFormat(FormatKind.REGEX, message.regex)
+    if kind == "choice":
+        return ResponseFormat(FormatKind.CHOICE, choices=tuple(message.choice.options))
+    if kind == "grammar":
+        return ResponseFormat(FormatKind.GRAMMAR, message.grammar)
+    return None
 
 
 # Where each RequestSpec field lives in a GenerateRequest (the rest are at the top, by the same name).

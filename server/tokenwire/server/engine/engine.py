@@ -20,11 +20,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
 import numpy as np
 
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.format_cache import FormatCache, invalid_format
 from tokenwire.server.engine.observer import EngineObserver, NullObserver
 from tokenwire.server.engine.sequence import Sequence, timing_report
 from tokenwire.server.engine.types import (
@@ -44,6 +46,7 @@ from tokenwire.server.engine.types import (
     TokensGenerated,
 )
 from tokenwire.server.models.runner import ModelRunner
+from tokenwire.server.sampling.constraint import CompiledFormat, MaskWorkspace
 from tokenwire.server.sampling.logprobs import token_logprob
 from tokenwire.server.sampling.sampler import pick_tokens
 from tokenwire.server.text.tokenizer import Tokenizer
@@ -95,6 +98,12 @@ class _Waiting:
     key: int
     request: GenerationRequest
     sink: EventSink
+    response_format: Future[CompiledFormat] | None = None
+    """The request's compiled format, once a worker has it; the request waits until then."""
+
+    @property
+    def ready(self) -> bool:
+        return self.response_format is None or self.response_format.done()
 
 
 @dataclass(frozen=True)
@@ -130,15 +139,19 @@ class Engine:
         clock: Clock = time.monotonic,
         observer: EngineObserver | None = None,
         check_accepting: AdmissionCheck | None = None,
+        formats: FormatCache | None = None,
     ) -> None:
         """`check_accepting` is asked before every submit: the server's lifecycle owns whether new
-        work is taken, so a drain has one owner and one error."""
+        work is taken, so a drain has one owner and one error. `formats` compiles response formats;
+        without it a request with one is refused."""
         self._runner = runner
         self._tokenizer = tokenizer
         self._config = config
         self._clock = clock
         self._observer: EngineObserver = observer or NullObserver()
         self._check_accepting = check_accepting
+        self._formats = formats
+        self._masks = MaskWorkspace(runner.info.vocab_size, config.max_batch_size) if formats else None
         self._model = runner.info.name
         self._slots = min(config.max_batch_size, runner.capacity())
         self._lock = threading.Lock()
@@ -210,14 +223,29 @@ class Engine:
                     retry_after=retry_after,
                     reason="QUEUE_FULL",
                 )
+            compiled = self._prepare_format(request)
             key = next(self._keys)
             position = len(self._inbox.waiting)
-            self._inbox.waiting.append(_Waiting(key, request, sink))
+            self._inbox.waiting.append(_Waiting(key, request, sink, compiled))
             self._inbox.live.add(key)
             if self._idle is not None:
                 self._idle.clear()
             self._wakeup.notify()
+        if compiled is not None and not compiled.done():
+            compiled.add_done_callback(self._format_ready)
         return RequestTicket(key=key, queue_position=position)
+
+    def _prepare_format(self, request: GenerationRequest) -> Future[CompiledFormat] | None:
+        if request.response_format is None:
+            return None
+        if self._formats is None:
+            raise invalid_format(request.response_format, f"model {self._model!r} does not support formats")
+        return self._formats.prepare(request.response_format)
+
+    def _format_ready(self, _: Future[CompiledFormat]) -> None:
+        # Called on a compile worker or timer thread: wake the engine to admit the request.
+        with self._lock:
+            self._wakeup.notify()
 
     def abort(self, key: int, reason: AbortReason) -> None:
         """Stop a live request at the next step boundary (unknown or finished keys are ignored)."""
@@ -257,6 +285,8 @@ class Engine:
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
+        if self._formats is not None:
+            self._formats.close()
 
     def run_round(self) -> None:
         """Run one scheduling round on the calling thread and deliver its events before returning.
@@ -291,7 +321,7 @@ class Engine:
             while (
                 wait_for_work
                 and not self._stopping
-                and not self._inbox.waiting
+                and not any(w.ready for w in self._inbox.waiting)
                 and not self._inbox.aborts
                 and not self._prefilling
                 and not self._decoding
@@ -323,9 +353,15 @@ class Engine:
         free = self._slots - len(self._prefilling) - len(self._decoding)
         admitted: list[_Waiting] = []
         with self._lock:
+            compiling: list[_Waiting] = []
             while free > 0 and self._inbox.waiting:
-                admitted.append(self._inbox.waiting.popleft())
-                free -= 1
+                entry = self._inbox.waiting.popleft()
+                if entry.ready:
+                    admitted.append(entry)
+                    free -= 1
+                else:  # its format is still compiling: those behind it go first
+                    compiling.append(entry)
+            self._inbox.waiting.extendleft(reversed(compiling))
         now = self._clock()
         info = self._runner.info
         for entry in admitted:
@@ -333,6 +369,13 @@ class Engine:
             if deadline is not None and now >= deadline:
                 self._finish(entry, _deadline_error("in the queue"), now)
                 continue
+            constraint = None
+            if entry.response_format is not None:
+                failure = entry.response_format.exception()
+                if failure is not None:
+                    self._finish(entry, _format_failure(failure), now)
+                    continue
+                constraint = entry.response_format.result().constraint()
             sequence = Sequence(
                 key=entry.key,
                 request=entry.request,
@@ -341,6 +384,7 @@ class Engine:
                 eos_token_ids=info.eos_token_ids,
                 context_length=info.context_length,
                 started_at=now,
+                constraint=constraint,
             )
             self._prefilling.append(sequence)
             self._emit(entry.sink, Started(now - entry.request.received_at, len(entry.request.prompt_ids)))
@@ -404,16 +448,22 @@ class Engine:
         # Sampling may rewrite logits in place (repetition penalty): keep the model's own
         # distribution for the rows that report log-probabilities.
         raw = {i: logits[i].copy() for i, s in enumerate(rows) if s.request.logprobs}
-        tokens = pick_tokens(logits, [s.sampler for s in rows])
+        tokens = pick_tokens(logits, [s.sampler for s in rows], self._masks)
         for i, (sequence, token) in enumerate(zip(rows, tokens, strict=True)):
             token_logprobs = (
                 self._token_logprobs(raw[i], token, sequence.request.top_logprobs) if i in raw else None
             )
             output = sequence.add_token(token, now, token_logprobs)
             self._emit(sequence.sink, output.event)
-            if output.finish is not None:
+            end: FinishReason | GenerationError | None = output.finish
+            if end is None and sequence.constraint is not None and sequence.constraint.error is not None:
+                assert sequence.request.response_format is not None
+                end = invalid_format(
+                    sequence.request.response_format, f"too costly to enforce: {sequence.constraint.error}"
+                )
+            if end is not None:
                 self._decoding.pop(sequence.key, None)
-                self._finish(sequence, output.finish, now)
+                self._finish(sequence, end, now)
 
     def _token_logprobs(self, row: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
         found = token_logprob(row, token, top_n)
@@ -587,6 +637,15 @@ def _abort_ending(reason: AbortReason, *, started: bool) -> FinishReason | Gener
     if reason is AbortReason.DEADLINE:
         return _deadline_error("during generation" if started else "in the queue")
     return _shutdown_error()
+
+
+def _format_failure(failure: BaseException) -> GenerationError:
+    if isinstance(failure, GenerationError):
+        return failure
+    log.error("compiling a response format failed", exc_info=failure)
+    return GenerationError(
+        ErrorKind.INTERNAL, "compiling the response format failed", reason="FORMAT_FAILURE"
+    )
 
 
 def _unstarted_result(entry: _Waiting, finish: FinishReason, timing: TimingReport) -> GenerationResult:

@@ -16,6 +16,7 @@ from tokenwire.server.engine.types import (
     TokenLogprobs,
     TokensGenerated,
 )
+from tokenwire.server.sampling.constraint import TokenConstraint
 from tokenwire.server.sampling.sampler import SequenceSampler
 from tokenwire.server.text.detokenizer import IncrementalDetokenizer
 from tokenwire.server.text.stop import StopStringMatcher
@@ -39,6 +40,8 @@ class Sequence:
     eos_token_ids: frozenset[int]
     context_length: int
     started_at: float
+    constraint: TokenConstraint | None = None
+    """The matcher of the request's response format, if it has one."""
     sampler: SequenceSampler = field(init=False)
     prefilled: int = 0
     """Prompt tokens already processed."""
@@ -53,7 +56,7 @@ class Sequence:
 
     def __post_init__(self) -> None:
         history = list(self.request.prompt_ids) if self.request.sampling.needs_history else []
-        self.sampler = SequenceSampler(self.request.sampling, history=history)
+        self.sampler = SequenceSampler(self.request.sampling, history=history, constraint=self.constraint)
         self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.request.prompt_ids)
         self._stops = StopStringMatcher(self.request.stopping.stop_strings)
 

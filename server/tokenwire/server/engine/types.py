@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
-from tokenwire.server.sampling.params import SamplingParams
+from tokenwire.server.sampling.params import ResponseFormat, SamplingParams
 
 
 class FinishReason(Enum):
@@ -93,6 +93,8 @@ class GenerationRequest:
     logprobs: bool = False
     top_logprobs: int = 0
     deadline: float | None = None
+    response_format: ResponseFormat | None = None
+    """What the output must match; None for free text."""
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ paths of its own messages.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 from collections.abc import Callable, Sequence
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from tokenwire.server.engine.errors import FieldViolation, GenerationError
 from tokenwire.server.engine.types import GenerationRequest, StopConditions
 from tokenwire.server.models.runner import ModelInfo
-from tokenwire.server.sampling.params import SamplingParams
+from tokenwire.server.sampling.params import FormatKind, ResponseFormat, SamplingParams
 from tokenwire.server.settings_schema import setting
 from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTurn
 from tokenwire.server.text.tokenizer import Tokenizer
@@ -38,6 +39,11 @@ class RequestLimits:
     )
     """Bound on raw prompt text, checked before tokenizing so huge inputs cost nothing."""
     max_messages: int = 1024
+    max_format_chars: int = 65_536
+    """Longest JSON Schema or grammar text."""
+    max_regex_chars: int = 4096
+    max_choices: int = 256
+    max_choice_chars: int = 1024
     control_tokens_in_messages: bool = setting(
         False,
         "read control-token markup such as <|im_start|> in chat message content as control tokens, as "
@@ -67,6 +73,7 @@ class RequestSpec:
     top_logprobs: int = 0
     timeout: float | None = None
     """Seconds, from the moment the request was received."""
+    response_format: ResponseFormat | None = None
 
 
 ChatPromptIds = Callable[[Sequence[ChatTurn]], list[int]]
@@ -104,6 +111,7 @@ class RequestValidator:
         violations += _check_sampling(spec)
         violations += self._check_stopping(spec)
         violations += _check_logprobs(spec)
+        violations += self._check_response_format(spec)
         if spec.timeout is not None and not (math.isfinite(spec.timeout) and spec.timeout > 0):
             violations.append(FieldViolation("timeout", "must be a positive duration"))
         if violations:
@@ -133,7 +141,53 @@ class RequestValidator:
             logprobs=spec.logprobs,
             top_logprobs=spec.top_logprobs,
             deadline=deadline,
+            response_format=spec.response_format,
         )
+
+    def _check_response_format(self, spec: RequestSpec) -> list[FieldViolation]:
+        # Only bounds and syntax a client can fix at once; whether the format compiles is found
+        # off the event loop, by the engine's format cache.
+        response_format = spec.response_format
+        if response_format is None:
+            return []
+        limits = self._limits
+        field = f"response_format.{response_format.kind.value}"
+        found: list[FieldViolation] = []
+        if spec.ignore_eos:
+            found.append(
+                FieldViolation(
+                    "ignore_eos", "cannot be combined with response_format: a complete match ends the output"
+                )
+            )
+        if response_format.kind is FormatKind.CHOICE:
+            choices = response_format.choices
+            if not 1 <= len(choices) <= limits.max_choices:
+                found.append(
+                    FieldViolation(f"{field}.options", f"must list 1 to {limits.max_choices} strings")
+                )
+            bad = next((i for i, c in enumerate(choices) if not 0 < len(c) <= limits.max_choice_chars), None)
+            if bad is not None:
+                found.append(
+                    FieldViolation(
+                        f"{field}.options[{bad}]", f"must be 1 to {limits.max_choice_chars} characters"
+                    )
+                )
+            return found
+        regex = response_format.kind is FormatKind.REGEX
+        bound = limits.max_regex_chars if regex else limits.max_format_chars
+        if not response_format.source:
+            found.append(FieldViolation(field, "must not be empty"))
+        elif len(response_format.source) > bound:
+            found.append(FieldViolation(field, f"longer than {bound} characters"))
+        elif response_format.kind is FormatKind.JSON_SCHEMA:
+            try:
+                schema = json.loads(response_format.source)
+            except ValueError as error:
+                found.append(FieldViolation(field, f"not JSON: {error}"))
+            else:
+                if not isinstance(schema, dict | bool):
+                    found.append(FieldViolation(field, "must be a JSON object (or true/false)"))
+        return found
 
     def _check_request_id(self, request_id: str, *, required: bool) -> list[FieldViolation]:
         if required and not request_id:

@@ -1,8 +1,9 @@
-"""Sampling parameters as the engine sees them (validated, defaults applied)."""
+"""Sampling parameters and response formats as the engine sees them (validated, defaults applied)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from enum import Enum
 
 
 @dataclass(frozen=True)
@@ -23,3 +24,20 @@ class SamplingParams:
     @property
     def needs_history(self) -> bool:
         return self.repetition_penalty != 1.0
+
+
+class FormatKind(Enum):
+    JSON_SCHEMA = "json_schema"
+    REGEX = "regex"
+    CHOICE = "choice"
+    GRAMMAR = "grammar"
+
+
+@dataclass(frozen=True)
+class ResponseFormat:
+    """What the output must match. `source` is the schema, regex or grammar text; a CHOICE keeps
+    its strings in `choices`."""
+
+    kind: FormatKind
+    source: str = ""
+    choices: tuple[str, ...] = ()

@@ -1,6 +1,8 @@
 """Pick each sequence's next token from a batch of logits.
 
-Greedy rows are resolved together with one argmax over the batch. Sampled rows are handled
+Rows with a response format are masked first, all together, so only tokens that keep their
+output inside the format can be chosen; a batch without one pays nothing for it. Greedy rows are
+resolved together with one argmax over the batch. Sampled rows are handled
 one by one, each with its own random generator seeded from its request, so a sequence's tokens
 never depend on which other sequences share its batch. Top-k and top-p work on a partial sort
 (argpartition) of the few most likely candidates instead of sorting the whole vocabulary.
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tokenwire.server.sampling.constraint import MaskWorkspace, TokenConstraint
 from tokenwire.server.sampling.params import SamplingParams
 
 # Top-p without top-k first tries the most likely candidates only; the full vocabulary is
@@ -27,6 +30,8 @@ class SequenceSampler:
     params: SamplingParams
     history: list[int] = field(default_factory=list)
     """Prompt and generated tokens, for the repetition penalty."""
+    constraint: TokenConstraint | None = None
+    """The response format's matcher, when the request has one."""
     _rng: np.random.Generator = field(init=False)
     _seen: np.ndarray = field(init=False)
 
@@ -35,7 +40,9 @@ class SequenceSampler:
         self._seen = np.unique(np.asarray(self.history, dtype=np.int64))
 
     def observe(self, token_id: int) -> None:
-        """Record a generated token (only needed for the repetition penalty)."""
+        """Record a generated token: for the repetition penalty and the response format."""
+        if self.constraint is not None:
+            self.constraint.advance(token_id)
         if self.params.needs_history and not np.isin(token_id, self._seen):
             self._seen = np.union1d(self._seen, [token_id])
 
@@ -49,8 +56,17 @@ class SequenceSampler:
         return _sample(logits, params, self._rng)
 
 
-def pick_tokens(logits: np.ndarray, samplers: Sequence[SequenceSampler]) -> list[int]:
-    """Choose one token per row of `logits` ([n, vocab]) with each row's own sampler."""
+def pick_tokens(
+    logits: np.ndarray, samplers: Sequence[SequenceSampler], masks: MaskWorkspace | None = None
+) -> list[int]:
+    """Choose one token per row of `logits` ([n, vocab]) with each row's own sampler.
+
+    `masks` is needed when any sampler has a constraint."""
+    constrained = [i for i, s in enumerate(samplers) if s.constraint is not None]
+    if constrained:
+        if masks is None:
+            raise ValueError("a constrained row needs a MaskWorkspace")
+        masks.apply(logits, constrained, [c for s in samplers if (c := s.constraint) is not None])
     plain_greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy and not s.params.needs_history]
     tokens = [0] * len(samplers)
     if plain_greedy:
@@ -69,7 +85,10 @@ def pick_tokens(logits: np.ndarray, samplers: Sequence[SequenceSampler]) -> list
 
 def _apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: float) -> None:
     values = logits[seen]
-    logits[seen] = np.where(values > 0, values / penalty, values * penalty)
+    # A token masked out by a response format sits at the lowest float; multiplying it may round
+    # to -inf, which is what it means anyway.
+    with np.errstate(over="ignore"):
+        logits[seen] = np.where(values > 0, values / penalty, values * penalty)
 
 
 def _sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:

@@ -35,6 +35,10 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._vocab_size
 
+    def to_json(self) -> str:
+        """The tokenizer.json text, for libraries that build their own view of the vocabulary."""
+        return str(self._backend.to_str())
+
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         # Special-token markup inside the text (e.g. "<|im_start|>") is recognised, as in the
         # Hugging Face tokenizers, so rendered chat templates tokenize to the real control tokens.
