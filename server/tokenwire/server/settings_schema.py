@@ -54,7 +54,7 @@ class GroupSpec:
 
 
 @dataclass(frozen=True)
-class Declared:
+class Setting:
     """One setting as `tokenwire serve` sees it, derived from its field."""
 
     key: str
@@ -112,12 +112,12 @@ def settings_group(factory: Callable[[], T], *, group: str, prefix: str = "") ->
     return dataclasses.field(default_factory=factory, metadata={_METADATA_KEY: spec})
 
 
-def declared_settings(root: type[Any]) -> tuple[Declared, ...]:
+def declared_settings(root: type[Any]) -> tuple[Setting, ...]:
     """Every setting declared on `root` and its settings groups, in declaration order."""
     return tuple(_walk(root, prefix="", group=None, path=()))
 
 
-def _walk(cls: type[Any], *, prefix: str, group: str | None, path: tuple[str, ...]) -> Iterator[Declared]:
+def _walk(cls: type[Any], *, prefix: str, group: str | None, path: tuple[str, ...]) -> Iterator[Setting]:
     hints = typing.get_type_hints(cls)
     for field in dataclasses.fields(cls):
         spec = field.metadata.get(_METADATA_KEY)
@@ -135,7 +135,7 @@ def _declared(
     prefix: str,
     group: str | None,
     path: tuple[str, ...],
-) -> Iterator[Declared]:
+) -> Iterator[Setting]:
     owner = spec.group or group
     if owner is None:
         raise TypeError(f"setting {field.name!r} belongs to no help group")
@@ -143,9 +143,9 @@ def _declared(
     default = field.default if spec.command_default is _NO_DEFAULT else spec.command_default
     if spec.switch is not None:
         switch_key, switch_help = spec.switch
-        yield Declared(switch_key, "bool", True, switch_help, owner)
+        yield Setting(switch_key, "bool", True, switch_help, owner)
         optional = False  # the switch, not an empty value, turns it off
-    yield Declared(
+    yield Setting(
         key=spec.key or prefix + field.name,
         kind=kind,
         default=default,
@@ -180,7 +180,7 @@ def value_at(root: object, path: tuple[str, ...]) -> object:
     return value
 
 
-def bound_problems(root: object, declared: tuple[Declared, ...]) -> list[str]:
+def bound_problems(root: object, declared: tuple[Setting, ...]) -> list[str]:
     """Problems of each setting's value against its own bounds, choices and check, naming the flag."""
     problems: list[str] = []
     for item in declared:
@@ -193,7 +193,7 @@ def bound_problems(root: object, declared: tuple[Declared, ...]) -> list[str]:
     return problems
 
 
-def _bound_problem(item: Declared, value: Any) -> str | None:
+def _bound_problem(item: Setting, value: Any) -> str | None:
     spec = item.spec
     assert spec is not None
     unit = " seconds" if item.kind == "float" else ""

@@ -27,7 +27,7 @@ from typing import Any
 from tokenwire.server.config import ModelSource, ServerSettings
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import AUTH_TOKENS_ENV, TokenFileError, load_tokens
-from tokenwire.server.settings_schema import GROUPS, SECURITY, Declared, declared_settings
+from tokenwire.server.settings_schema import GROUPS, SECURITY, Setting, declared_settings
 from tokenwire.server.telemetry.exporters import otlp_exporter_installed
 
 if sys.version_info >= (3, 11):
@@ -41,7 +41,6 @@ MODEL_ENV = "TOKENWIRE_MODEL"
 _TRUE = frozenset({"1", "true", "yes", "on"})
 _FALSE = frozenset({"0", "false", "no", "off"})
 
-Setting = Declared
 
 AUTH_TOKENS_FILE = Setting(
     "auth_tokens_file",
