@@ -31,6 +31,14 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_model_without_position_ids_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The tiny GPT in the Optimum layout without a `position_ids` input (positions from the cache)."""
+    return create_tiny_gpt(
+        tmp_path_factory.mktemp("models") / "tiny-derived-positions", TinyGptConfig(position_ids=False)
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_model_without_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return create_tiny_gpt(
         tmp_path_factory.mktemp("models") / "tiny-plain", TinyGptConfig(), chat_template=False

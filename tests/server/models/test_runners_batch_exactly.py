@@ -23,9 +23,18 @@ def settings() -> LoadSettings:
     )
 
 
-@pytest.fixture(params=["optimum", "genai"])
-def make_runner(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> RunnerFactory:
-    model_dir = tiny_model_dir if request.param == "optimum" else tiny_llama_dir
+@pytest.fixture(params=["optimum", "optimum-without-position-ids", "genai"])
+def make_runner(
+    request: pytest.FixtureRequest,
+    tiny_model_dir: Path,
+    tiny_model_without_position_ids_dir: Path,
+    tiny_llama_dir: Path,
+) -> RunnerFactory:
+    model_dir = {
+        "optimum": tiny_model_dir,
+        "optimum-without-position-ids": tiny_model_without_position_ids_dir,
+        "genai": tiny_llama_dir,
+    }[request.param]
 
     def factory() -> ModelRunner:
         return load_model(model_dir, settings()).runner

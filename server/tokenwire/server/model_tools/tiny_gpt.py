@@ -1,8 +1,9 @@
 """A deterministic tiny GPT-style decoder in the Hugging Face Optimum ONNX layout.
 
 The graph follows what `optimum-cli export onnx --task text-generation-with-past` produces:
-inputs `input_ids`, `attention_mask`, `position_ids`, `past_key_values.{i}.key/value`
-([batch, heads, past, head_dim]); outputs `logits` and `present.{i}.key/value`. It is built
+inputs `input_ids`, `attention_mask`, `position_ids` (unless the config leaves it out),
+`past_key_values.{i}.key/value` ([batch, heads, past, head_dim]); outputs `logits` and
+`present.{i}.key/value`. It is built
 from standard ONNX operators with numpy weights drawn from a seeded generator, so the project's
 tests exercise the same code path as exported Hugging Face models, without any download.
 """
@@ -37,6 +38,9 @@ class TinyGptConfig:
     vocab: int = 512
     context_length: int = 256
     seed: int = 0
+    position_ids: bool = True
+    """False: no `position_ids` input; the graph derives every row's positions from the cache
+    width (past length + offset), as Optimum's exports of Gemma models do."""
 
     @property
     def head_dim(self) -> int:
@@ -165,11 +169,14 @@ def build_tiny_gpt_graph(config: TinyGptConfig) -> onnx.ModelProto:
     padding = g.op("Cast", [g.op("Unsqueeze", ["attention_mask", "axes12"])], to=TensorProto.BOOL)
     allowed = g.op("And", [causal, padding])
 
+    # Without a position_ids input every row's positions are P..T-1 ([1, S], broadcast over the
+    # batch): right for a row whose cache holds only its own tokens, shifted for a padded one.
+    positions = "position_ids" if config.position_ids else g.op("Unsqueeze", [query_pos, "axes0"])
     x = g.op(
         "Add",
         [
             g.op("Gather", ["wte", "input_ids"], axis=0),
-            g.op("Gather", ["wpe", "position_ids"], axis=0),
+            g.op("Gather", ["wpe", positions], axis=0),
         ],
     )
     for i in range(config.layers):
@@ -216,8 +223,9 @@ def build_tiny_gpt_graph(config: TinyGptConfig) -> onnx.ModelProto:
     inputs = [
         tensor("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
         tensor("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
-        tensor("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
     ]
+    if config.position_ids:
+        inputs.append(tensor("position_ids", TensorProto.INT64, ["batch_size", "sequence_length"]))
     outputs = [tensor("logits", TensorProto.FLOAT, ["batch_size", "sequence_length", config.vocab])]
     for i in range(config.layers):
         for kind in ("key", "value"):

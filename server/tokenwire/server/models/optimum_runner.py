@@ -5,6 +5,11 @@ returns it one position longer. Sequences of different lengths share a batch thr
 padding: each row's attention mask zeroes its padding and `position_ids` count only its real
 tokens, which keeps each row's logits equal (to float rounding) to decoding it alone.
 
+A graph without a `position_ids` input (Optimum's Gemma exports) derives every row's positions
+from the cache width, so left padding would shift a padded row's rotary positions and silently
+change its tokens. For such graphs sequences are decoded in cohorts of equal length, one model
+call per cohort, never padded: a cohort stays aligned because all its rows grow by one a step.
+
 Between steps the cache stays where the model produced it (on the GPU under CUDA) because the
 outputs of one step are bound as the inputs of the next. Only a change of membership, a
 sequence joining after its prefill or leaving, brings the cache to the host to be re-padded.
@@ -61,6 +66,17 @@ class _Prefilling:
     length: int
 
 
+@dataclass
+class _Batch:
+    """Sequences decoded by one model call: row order, cache per layer ([rows, heads, width,
+    head_dim]), mask [rows, width] (0 = left padding) and each row's next position."""
+
+    rows: list[int]
+    kv: list[ort.OrtValue]
+    mask: np.ndarray
+    positions: np.ndarray
+
+
 class OptimumRunner:
     """ModelRunner over an Optimum-layout session with a left-padded, growing batch cache."""
 
@@ -72,12 +88,8 @@ class OptimumRunner:
         self._past_names = self._layout.kv_names("past_key_values")
         self._present_names = self._layout.kv_names("present")
         self._prefilling: dict[int, _Prefilling] = {}
-        # The decoding batch: row order, cache per layer ([rows, heads, width, head_dim]),
-        # mask [rows, width] (0 = left padding) and each row's next position.
-        self._rows: list[int] = []
-        self._kv: list[ort.OrtValue] = []
-        self._mask = np.zeros((0, 0), dtype=np.int64)
-        self._positions = np.zeros(0, dtype=np.int64)
+        # One batch when the graph takes position_ids; otherwise one per sequence length.
+        self._batches: list[_Batch] = []
 
     @property
     def info(self) -> ModelInfo:
@@ -114,20 +126,31 @@ class OptimumRunner:
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         wanted = list(seq_ids)
-        if set(wanted) != set(self._rows):
+        if set(wanted) != self._decoding():
             self._regroup(wanted)
-        row_of = {seq: row for row, seq in enumerate(self._rows)}
-        order = np.fromiter((row_of[s] for s in wanted), dtype=np.int64, count=len(wanted))
-        tokens = np.empty(len(self._rows), dtype=np.int64)
+        if len(self._batches) == 1:
+            return self._step(self._batches[0], wanted, token_ids)
+        token_of = dict(zip(wanted, token_ids, strict=True))
+        logits_of: dict[int, np.ndarray] = {}
+        for batch in self._batches:
+            logits = self._step(batch, batch.rows, [token_of[seq] for seq in batch.rows])
+            logits_of.update(zip(batch.rows, logits, strict=True))
+        return np.stack([logits_of[seq] for seq in wanted])
+
+    def _step(self, batch: _Batch, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        """One decode step of `batch`; the logits of `seq_ids` (all its rows), in that order."""
+        row_of = {seq: row for row, seq in enumerate(batch.rows)}
+        order = np.fromiter((row_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
+        tokens = np.empty(len(batch.rows), dtype=np.int64)
         tokens[order] = np.asarray(token_ids, dtype=np.int64)
-        mask = np.concatenate([self._mask, np.ones((len(self._rows), 1), dtype=np.int64)], axis=1)
+        mask = np.concatenate([batch.mask, np.ones((len(batch.rows), 1), dtype=np.int64)], axis=1)
         feeds = {"input_ids": tokens.reshape(-1, 1), "attention_mask": mask}
         if self._layout.has_position_ids:
-            feeds["position_ids"] = self._positions.reshape(-1, 1)
-        logits, kv = self._run(feeds, self._kv)
-        self._kv = kv
-        self._mask = mask
-        self._positions = self._positions + 1
+            feeds["position_ids"] = batch.positions.reshape(-1, 1)
+        logits, kv = self._run(feeds, batch.kv)
+        batch.kv = kv
+        batch.mask = mask
+        batch.positions = batch.positions + 1
         return np.ascontiguousarray(logits[order, -1], dtype=np.float32)
 
     # -- prefix reuse ----------------------------------------------------------------------------
@@ -155,8 +178,9 @@ class OptimumRunner:
 
     def release(self, seq_id: int) -> None:
         self._prefilling.pop(seq_id, None)
-        if seq_id in self._rows:
-            self._regroup([s for s in self._rows if s != seq_id])
+        decoding = self._decoding()
+        if seq_id in decoding:
+            self._regroup([s for batch in self._batches for s in batch.rows if s != seq_id])
 
     # -- internals -------------------------------------------------------------------------------
 
@@ -181,43 +205,54 @@ class OptimumRunner:
         outputs = binding.get_outputs()
         return outputs[0].numpy(), list(outputs[1:])
 
+    def _decoding(self) -> set[int]:
+        return {seq for batch in self._batches for seq in batch.rows}
+
     def _regroup(self, wanted: list[int]) -> None:
-        """Rebuild the batch for a new membership: drop leavers, left-pad and append joiners."""
-        unknown = [s for s in wanted if s not in self._rows and s not in self._prefilling]
+        """Rebuild the batches for a new membership: drop leavers, left-pad and add joiners."""
+        decoding = self._decoding()
+        unknown = [s for s in wanted if s not in decoding and s not in self._prefilling]
         if unknown:
             raise ModelRunnerError(f"sequences {unknown} were never prefilled")
-        keep = [row for row, seq in enumerate(self._rows) if seq in wanted]
-        joiners = [s for s in wanted if s not in self._rows]
-        kept_kv = [ov.numpy()[keep] for ov in self._kv] if self._rows else []
-        kept_mask = self._mask[keep]
-        kept_positions = self._positions[keep]
-        width = max([kept_mask.shape[1]] + [self._prefilling[s].length for s in joiners])
+        # Each wanted sequence's own cache rows ([layers][heads, length, head_dim], no padding).
+        caches: dict[int, list[np.ndarray]] = {}
+        for batch in self._batches:
+            kept = [(row, seq) for row, seq in enumerate(batch.rows) if seq in wanted]
+            if not kept:
+                continue
+            arrays = [value.numpy() for value in batch.kv]
+            width = batch.mask.shape[1]
+            for row, seq in kept:
+                length = int(batch.positions[row])
+                caches[seq] = [array[row, :, width - length :] for array in arrays]
+        for seq in wanted:
+            if seq not in caches:
+                caches[seq] = [value.numpy()[0] for value in self._prefilling.pop(seq).kv]
+        cohorts: dict[int, list[int]] = {}
+        for seq in wanted:
+            # Positions fed per row let rows of any length share one padded batch; positions
+            # derived from the cache width need rows of one length, unpadded.
+            key = 0 if self._layout.has_position_ids else caches[seq][0].shape[1]
+            cohorts.setdefault(key, []).append(seq)
+        self._batches = [self._padded(rows, caches) for rows in cohorts.values()]
+
+    def _padded(self, rows: list[int], caches: dict[int, list[np.ndarray]]) -> _Batch:
+        """One batch of `rows`, each left-padded to the longest."""
+        lengths = [caches[seq][0].shape[1] for seq in rows]
+        width = max(lengths)
         layout = self._layout
-        rows = len(keep) + len(joiners)
         kv = [
-            np.zeros((rows, layout.kv_heads, width, layout.head_dim), dtype=layout.kv_dtype)
+            np.zeros((len(rows), layout.kv_heads, width, layout.head_dim), dtype=layout.kv_dtype)
             for _ in self._past_names
         ]
-        mask = np.zeros((rows, width), dtype=np.int64)
-        positions = np.zeros(rows, dtype=np.int64)
-        old_width = kept_mask.shape[1]
-        for layer, array in enumerate(kept_kv):
-            kv[layer][: len(keep), :, width - old_width :] = array
-        mask[: len(keep), width - old_width :] = kept_mask
-        positions[: len(keep)] = kept_positions
-        for offset, seq in enumerate(joiners):
-            joined = self._prefilling.pop(seq)
-            row = len(keep) + offset
-            for layer, value in enumerate(joined.kv):
-                kv[layer][row, :, width - joined.length :] = value.numpy()[0]
-            mask[row, width - joined.length :] = 1
-            positions[row] = joined.length
-        # Columns that are padding in every row carry nothing: drop them.
-        if rows:
-            trim = int(np.argmax(mask.any(axis=0))) if mask.any() else width
-            mask = mask[:, trim:]
-            kv = [array[:, :, trim:] for array in kv]
-        self._rows = [self._rows[row] for row in keep] + joiners
-        self._kv = [ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self._device) for a in kv]
-        self._mask = mask
-        self._positions = positions
+        mask = np.zeros((len(rows), width), dtype=np.int64)
+        for row, (seq, length) in enumerate(zip(rows, lengths, strict=True)):
+            for layer, array in enumerate(caches[seq]):
+                kv[layer][row, :, width - length :] = array
+            mask[row, width - length :] = 1
+        return _Batch(
+            rows=rows,
+            kv=[ort.OrtValue.ortvalue_from_numpy(np.ascontiguousarray(a), self._device) for a in kv],
+            mask=mask,
+            positions=np.asarray(lengths, dtype=np.int64),
+        )
