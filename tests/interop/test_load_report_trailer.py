@@ -10,14 +10,15 @@ import base64
 import json
 import re
 
-from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
+from google.protobuf.message import Message
 
 from tests.interop.test_buf_curl import SERVICE, buf_curl
 from tokenwire.server.api.orca import TRAILER
+from tokenwire.server.api.orca_messages import OrcaLoadReport
 from tokenwire.server.app import TokenwireServer
 
 
-def load_reports(verbose_output: str) -> list[OrcaLoadReport]:
+def load_reports(verbose_output: str) -> list[Message]:
     """Every load report trailer in buf curl's -v output (binary values come base64, unpadded)."""
     values = re.findall(rf"{re.escape(TRAILER)}: (\S+)", verbose_output, flags=re.IGNORECASE)
     return [OrcaLoadReport.FromString(base64.b64decode(v + "=" * (-len(v) % 4))) for v in values]

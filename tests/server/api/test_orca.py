@@ -15,8 +15,6 @@ import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.rpc import error_details_pb2, status_pb2
-from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
-from xds.service.orca.v3.orca_pb2 import OrcaLoadReportRequest
 
 from tests.conftest import tiny_settings
 from tests.support.events import Transcript, read_until
@@ -26,6 +24,7 @@ from tests.support.servers import serving
 from tests.support.stepping import StepGate
 from tokenwire.client import AsyncClient
 from tokenwire.server.api.orca import ORCA_SERVICE, report_interval
+from tokenwire.server.api.orca_messages import OrcaLoadReport, OrcaLoadReportRequest
 from tokenwire.server.config import AuthSettings
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 
@@ -40,7 +39,11 @@ def open_reports(channel: grpc.aio.Channel, interval: Duration | None = None) ->
         request_serializer=OrcaLoadReportRequest.SerializeToString,
         response_deserializer=OrcaLoadReport.FromString,
     )
-    return method(OrcaLoadReportRequest(report_interval=interval))
+    request = OrcaLoadReportRequest()
+    if interval is not None:
+        # The request's Duration type lives in the ORCA messages' own pool: copy it over the wire.
+        request.report_interval.MergeFromString(interval.SerializeToString())
+    return method(request)
 
 
 async def read_report_until(

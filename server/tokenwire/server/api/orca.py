@@ -1,7 +1,7 @@
 """ORCA load reports (gRPC proposals A51 and A58), so gRPC clients can weigh replicas by load.
 
-Two channels carry the same report (`xds.data.orca.v3.OrcaLoadReport`, from the `xds-protos`
-package; grpc Python has no ORCA server API of its own):
+Two channels carry the same report (`xds.data.orca.v3.OrcaLoadReport`, built in `orca_messages`;
+grpc Python has no ORCA server API of its own):
 
 - Out of band: `xds.service.orca.v3.OpenRcaService/StreamCoreMetrics` streams a report right
   away and then once per interval the client asks for, never more often than the server's
@@ -23,20 +23,20 @@ from typing import Any
 
 import grpc
 from google.protobuf import duration_pb2
-from xds.data.orca.v3.orca_load_report_pb2 import OrcaLoadReport
-from xds.service.orca.v3 import orca_pb2
+from google.protobuf.message import Message
 
 from tokenwire.server.api import errors
 from tokenwire.server.api.decoding import UndecodableRequest, tolerant
+from tokenwire.server.api.orca_messages import SERVICE_NAME, OrcaLoadReport, OrcaLoadReportRequest
 from tokenwire.server.engine.errors import FieldViolation, GenerationError
 from tokenwire.server.load import LoadSnapshot, LoadTracker
 
-ORCA_SERVICE = orca_pb2.DESCRIPTOR.services_by_name["OpenRcaService"].full_name
+ORCA_SERVICE = SERVICE_NAME
 TRAILER = "endpoint-load-metrics-bin"
 
 
-def load_report(snapshot: LoadSnapshot) -> OrcaLoadReport:
-    return OrcaLoadReport(
+def load_report(snapshot: LoadSnapshot) -> Message:
+    report: Message = OrcaLoadReport(
         application_utilization=snapshot.utilization,
         rps_fractional=snapshot.qps,
         named_metrics={
@@ -45,6 +45,7 @@ def load_report(snapshot: LoadSnapshot) -> OrcaLoadReport:
             "kv_cache_utilization": snapshot.kv_cache_utilization,
         },
     )
+    return report
 
 
 def report_interval(asked: duration_pb2.Duration, minimum: float) -> float:
@@ -66,8 +67,10 @@ class OrcaService:
         self._min_interval = min_interval
 
     async def StreamCoreMetrics(  # noqa: N802
-        self, request: orca_pb2.OrcaLoadReportRequest | UndecodableRequest, context: grpc.aio.ServicerContext
-    ) -> AsyncIterator[OrcaLoadReport]:
+        self,
+        request: Any,
+        context: grpc.aio.ServicerContext,  # OrcaLoadReportRequest or UndecodableRequest
+    ) -> AsyncIterator[Message]:
         if isinstance(request, UndecodableRequest):
             await errors.abort(context, request.error())
             return
@@ -85,7 +88,7 @@ def add_orca_service(service: OrcaService, server: grpc.aio.Server) -> None:
     handlers = {
         "StreamCoreMetrics": grpc.unary_stream_rpc_method_handler(
             service.StreamCoreMetrics,
-            request_deserializer=tolerant(orca_pb2.OrcaLoadReportRequest.FromString, "OrcaLoadReportRequest"),
+            request_deserializer=tolerant(OrcaLoadReportRequest.FromString, "OrcaLoadReportRequest"),
             response_serializer=OrcaLoadReport.SerializeToString,
         )
     }
