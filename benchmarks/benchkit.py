@@ -239,6 +239,9 @@ class ServerProcess:
     max_queue_size: int = 64
     threads: int = THREADS
     extra: Sequence[str] = ()
+    host: str = LOOPBACK
+    model_name: str | None = None
+    """Serve the model under this name instead of its directory's."""
     process: subprocess.Popen[str] | None = None
     port: int = 0
     log: list[str] = field(default_factory=list)
@@ -250,9 +253,9 @@ class ServerProcess:
             "import sys; from tokenwire.server.cli import main; sys.exit(main())",
             "serve",
             "--model",
-            str(self.model),
+            f"{self.model_name}={self.model}" if self.model_name else str(self.model),
             "--host",
-            LOOPBACK,
+            self.host,
             "--port",
             "0",
             "--device",
@@ -298,7 +301,7 @@ class ServerProcess:
 
     @property
     def target(self) -> str:
-        return f"{LOOPBACK}:{self.port}"
+        return f"{self.host}:{self.port}"
 
     def kv_cache_line(self) -> str:
         return next((line.split(": ", 1)[-1] for line in self.log if "KV cache" in line), "")

@@ -39,8 +39,6 @@ from tokenwire.server.telemetry.tracing import Metadata
 log = logging.getLogger(__name__)
 
 LOAD_REPORTED_METHODS = frozenset({f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/StreamGenerate"})
-ORCA_MIN_REPORT_INTERVAL = 1.0
-"""Seconds: the shortest out-of-band load report interval a client may ask for."""
 
 ModelWrapper = Callable[[LoadedModel], LoadedModel]
 """Hook applied to each loaded model before serving it (tests use it to inject faults)."""
@@ -132,7 +130,9 @@ class TokenwireServer:
             InferenceServicer(self.registry, self.lifecycle, telemetry=self.telemetry.requests), server
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
-        add_orca_service(OrcaService(self.load_tracker, min_interval=ORCA_MIN_REPORT_INTERVAL), server)
+        add_orca_service(
+            OrcaService(self.load_tracker, min_interval=settings.load_report_min_interval), server
+        )
         if settings.reflection:
             reflection.enable_server_reflection(
                 (

@@ -239,6 +239,13 @@ class ServerSettings:
     tls: TlsSettings = settings_group(TlsSettings, group=SECURITY, prefix="tls_")
     telemetry: TelemetrySettings = settings_group(TelemetrySettings, group=TELEMETRY)
     health: HealthSettings = settings_group(HealthSettings, group=HEALTH, prefix="health_")
+    load_report_min_interval: float = setting(
+        1.0,
+        "fewest seconds between the ORCA load reports of one out-of-band stream "
+        "(xds.service.orca.v3.OpenRcaService); a client asking for less gets this",
+        group=HEALTH,
+        minimum=0.01,
+    )
 
     def validate(self, *, require_models: bool = True) -> list[str]:
         """Problems with these settings, as messages naming the flag."""

@@ -29,8 +29,9 @@ from tokenwire.server.config import AuthSettings
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 
 STREAM_CORE_METRICS = f"/{ORCA_SERVICE}/StreamCoreMetrics"
-MAX_REPORTS = 10
-"""Reports to read while waiting for one that shows a change (the minimum interval is 1 s)."""
+MIN_INTERVAL = 0.05
+MAX_REPORTS = 200
+"""Reports to read while waiting for one that shows a change: 10 s at MIN_INTERVAL."""
 
 
 def open_reports(channel: grpc.aio.Channel, interval: Duration | None = None) -> grpc.aio.UnaryStreamCall:
@@ -59,14 +60,16 @@ async def read_report_until(
 
 async def test_out_of_band_reports_follow_occupancy_queue_and_completions(tiny_model_dir: Path) -> None:
     gate = StepGate()
-    settings = tiny_settings(tiny_model_dir, max_batch_size=2, max_queue_size=8)
+    settings = tiny_settings(
+        tiny_model_dir, max_batch_size=2, max_queue_size=8, load_report_min_interval=MIN_INTERVAL
+    )
     async with (
         serving(settings, gate=gate) as server,
         grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel,
         AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client,
         client.open_stream() as stream,
     ):
-        reports = open_reports(channel, Duration(nanos=1_000_000))  # asks for 1 ms: gets the minimum
+        reports = open_reports(channel, Duration(nanos=1_000_000))  # asks for 1 ms: gets MIN_INTERVAL
         idle = await reports.read()
         assert idle.application_utilization == 0.0
         assert idle.named_metrics["queue_depth"] == 0.0
