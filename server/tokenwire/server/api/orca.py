@@ -18,7 +18,7 @@ The report: `application_utilization` is the engines' occupancy, (running + queu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import grpc
@@ -137,11 +137,17 @@ class LoadReportTrailers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         return with_trailer
 
     def _streaming(
-        self, behavior: Callable[[Any, Any], AsyncIterator[Any]]
-    ) -> Callable[[Any, Any], AsyncIterator[Any]]:
-        async def with_trailer(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            async for response in behavior(requests, context):
-                yield response
+        self, behavior: Callable[[Any, Any], AsyncGenerator[Any, None]]
+    ) -> Callable[[Any, Any], AsyncGenerator[Any, None]]:
+        async def with_trailer(requests: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
+            responses = behavior(requests, context)
+            try:
+                async for response in responses:
+                    yield response
+            finally:
+                # Closed early (the call ended), the servicer's own cleanup must run now, not
+                # whenever the garbage collector finalizes its generator: it aborts generations.
+                await responses.aclose()
             self._add_trailer(context)
 
         return with_trailer
