@@ -7,6 +7,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import settings
 
 from tests.support.serve_process import ServeProcess
 from tokenwire.client import AsyncClient
@@ -16,6 +17,11 @@ from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.model_tools.pull import DEFAULT_MODEL, fetch_gguf, pull_model, tokenwire_home
 from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
+
+# Hypothesis's per-example deadline is a wall-clock assert: on a loaded two-core machine a
+# correct property fails it. Properties here check values, never speed.
+settings.register_profile("tokenwire", deadline=None)
+settings.load_profile("tokenwire")
 
 
 @pytest.fixture(scope="session")
