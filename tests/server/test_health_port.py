@@ -15,7 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tests.conftest import tiny_settings
 from tests.server.security.certificates import Authority
 from tokenwire.client import AsyncClient, TokenwireError
-from tokenwire.server.app import SERVICE_NAME, TokenwireServer
+from tokenwire.server.api.handlers import SERVICE_NAME
+from tokenwire.server.app import TokenwireServer
 from tokenwire.server.config import AuthSettings, HealthSettings, TlsSettings
 from tokenwire.server.health import LIVENESS_SERVICE
 
