@@ -53,6 +53,8 @@ class FixedLogitsRunner:
     eos_token_ids: frozenset[int] = frozenset()
     clock: ManualClock | None = None
     step_seconds: float = 0.0
+    prefill_token_seconds: float = 0.0
+    """Added to a prefill call's time per prompt token, so long chunks cost more than short ones."""
     during_decode: Callable[[], None] | None = None
     prefills: list[PrefillCall] = field(default_factory=list)
     decodes: list[tuple[int, ...]] = field(default_factory=list)
@@ -75,6 +77,8 @@ class FixedLogitsRunner:
     def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
         self.prefills.append(PrefillCall(seq_id, start, len(token_ids)))
         self._take_time()
+        if self.clock is not None:
+            self.clock.advance(self.prefill_token_seconds * len(token_ids))
         row: np.ndarray = self._logits(1)[0]
         return row
 

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokenwire.server.models.runner import ModelInfo, ModelRunner
+from tokenwire.server.models.runner import KvRowAccess, ModelInfo, ModelRunner, ModelRunnerError
 
 
 class DelegatingRunner:
@@ -30,3 +30,18 @@ class DelegatingRunner:
 
     def release(self, seq_id: int) -> None:
         self.inner.release(seq_id)
+
+    # Prefix caching works through a wrapper as it does on the runner itself.
+    def kv_bytes_per_token(self) -> int:
+        return self.inner.kv_bytes_per_token() if isinstance(self.inner, KvRowAccess) else 0
+
+    def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
+        return self._rows().read_kv(seq_id, start, stop)
+
+    def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
+        return self._rows().start_from_kv(seq_id, blocks)
+
+    def _rows(self) -> KvRowAccess:
+        if not isinstance(self.inner, KvRowAccess):
+            raise ModelRunnerError("the wrapped runner cannot copy KV rows")
+        return self.inner

@@ -198,8 +198,24 @@ class ServerSettings:
     max_context_length: int = setting(
         2048, "longest sequence (prompt + output) served; sizes the KV cache", group=ENGINE, minimum=1
     )
-    prefill_chunk_size: int = setting(
-        256, "prompt tokens per model call, so long prompts do not stall streams", group=ENGINE, minimum=1
+    prefill_chunk_size: int = setting(256, "most prompt tokens per model call", group=ENGINE, minimum=1)
+    stall_free: bool = setting(
+        True,
+        "while streams decode, pace prompt work so a round (prompt chunks and one decode step) keeps "
+        "to --max-step-ms; off: one whole --prefill-chunk-size chunk per round",
+        group=ENGINE,
+    )
+    max_step_ms: float = setting(
+        0.0,
+        "stall-free target for one round in ms (0: 2.5 times the measured decode step)",
+        group=ENGINE,
+        minimum=0,
+    )
+    prefix_cache_mb: int = setting(
+        256,
+        "memory for the KV rows of cached prompt prefixes, in MiB (0 turns prefix caching off)",
+        group=ENGINE,
+        minimum=0,
     )
     intra_op_threads: int = setting(
         0, "ONNX Runtime threads per operator (0: one per core)", group=ENGINE, minimum=0

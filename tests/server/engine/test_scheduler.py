@@ -97,13 +97,27 @@ def bench(
     queue: int = 8,
     chunk: int = 256,
     step_seconds: float = 0.0,
+    token_seconds: float = 0.0,
     check_accepting: AdmissionCheck | None = None,
+    stall_free: bool = True,
+    max_step_seconds: float | None = None,
 ) -> Bench:
     clock = ManualClock()
     runner = FixedLogitsRunner(
-        vocab_size=TOKENIZER.vocab_size, token=TOKEN, slots=slots, clock=clock, step_seconds=step_seconds
+        vocab_size=TOKENIZER.vocab_size,
+        token=TOKEN,
+        slots=slots,
+        clock=clock,
+        step_seconds=step_seconds,
+        prefill_token_seconds=token_seconds,
     )
-    config = EngineConfig(max_batch_size=slots, max_queue_size=queue, prefill_chunk_size=chunk)
+    config = EngineConfig(
+        max_batch_size=slots,
+        max_queue_size=queue,
+        prefill_chunk_size=chunk,
+        stall_free=stall_free,
+        max_step_seconds=max_step_seconds,
+    )
     engine = Engine(runner, TOKENIZER, config, clock=clock, check_accepting=check_accepting)
     return Bench(engine, runner, clock, Events())
 
@@ -161,8 +175,8 @@ def test_with_nothing_decoding_every_waiting_prompt_is_prefilled_in_one_round() 
     assert b.runner.decodes == [(first.key, second.key)]
 
 
-def test_while_others_decode_a_long_prompt_gets_one_chunk_per_round() -> None:
-    b = bench(chunk=4)
+def test_without_stall_free_pacing_a_long_prompt_gets_one_chunk_per_round() -> None:
+    b = bench(chunk=4, stall_free=False)
     running = b.submit("running", prompt=3, tokens=50)
     b.rounds(1)
     long = b.submit("long", prompt=10)
@@ -178,6 +192,122 @@ def test_while_others_decode_a_long_prompt_gets_one_chunk_per_round() -> None:
     assert b.runner.prefills[-1] == PrefillCall(long.key, 8, 2)
     assert b.runner.decodes[-1] == (running.key, long.key)
     assert b.events.tokens("long") == 2  # one from its prefill, one from the shared step
+
+
+# -- stall-free pacing -------------------------------------------------------------------------
+# A decode step takes 20 ms and a prompt token 1 ms on the manual clock (plus no fixed cost),
+# so the automatic target is 2.5 steps, 50 ms: 30 prompt tokens and one step per round.
+
+DECODE = 0.020
+TOKEN_COST = 0.001
+
+
+def paced_bench(**overrides: object) -> Bench:
+    settings: dict[str, object] = {"chunk": 256, "token_seconds": TOKEN_COST}
+    settings.update(overrides)
+    b = bench(**settings)  # type: ignore[arg-type]
+    b.runner.step_seconds = 0.0
+    return b
+
+
+def run_round_timed(b: Bench) -> tuple[float, list[PrefillCall], int]:
+    """One round: how long it took, its prefill calls, and its decode steps."""
+    began, prefills, decodes = b.clock(), len(b.runner.prefills), len(b.runner.decodes)
+    b.rounds(1)
+    return b.clock() - began, b.runner.prefills[prefills:], len(b.runner.decodes) - decodes
+
+
+def decode_costs(b: Bench, seconds: float) -> None:
+    """Make every decode step take `seconds` (prefill calls keep their per-token cost)."""
+
+    def step() -> None:
+        b.clock.advance(seconds)
+
+    b.runner.during_decode = step
+
+
+def test_while_a_stream_decodes_each_round_keeps_to_the_step_target() -> None:
+    b = paced_bench()
+    decode_costs(b, DECODE)
+    b.submit("running", prompt=3, tokens=200)
+    b.rounds(2)  # the stream decodes; the pacer has measured a step and a (3-token) prompt
+    long = b.submit("long", prompt=300, tokens=5)
+
+    rounds = []
+    while b.events.tokens("long") == 0:
+        rounds.append(run_round_timed(b))
+    # Each round: 30 prompt tokens (50 ms target - 20 ms step) and the stream's step.
+    assert [len(calls) for _, calls, _ in rounds] == [1] * len(rounds) == [1] * 10
+    assert [calls[0].tokens for _, calls, _ in rounds] == [30] * 10
+    assert all(seconds == pytest.approx(2.5 * DECODE) for seconds, _, _ in rounds)
+    assert all(steps == 1 for _, _, steps in rounds)  # the running stream got a token every round
+    assert {call.seq_id for _, calls, _ in rounds for call in calls} == {long.key}
+
+
+def test_a_fixed_max_step_sets_the_round_s_prompt_budget() -> None:
+    b = paced_bench(max_step_seconds=0.1)
+    decode_costs(b, DECODE)
+    b.submit("running", prompt=3, tokens=200)
+    b.rounds(2)
+    b.submit("long", prompt=400, tokens=5)
+    b.rounds(2)  # the first chunk teaches the prompt cost
+
+    seconds, calls, steps = run_round_timed(b)
+    assert [call.tokens for call in calls] == [80]  # 100 ms target - 20 ms step = 80 tokens
+    assert seconds == pytest.approx(0.1) and steps == 1
+
+
+def test_with_nothing_decoding_a_long_prompt_runs_in_whole_chunks_back_to_back() -> None:
+    b = paced_bench(chunk=64)
+    decode_costs(b, DECODE)
+    ticket = b.submit("alone", prompt=200, tokens=5)
+
+    _, calls, steps = run_round_timed(b)
+
+    assert [(c.start, c.tokens) for c in calls] == [(0, 64), (64, 64), (128, 64), (192, 8)]
+    assert all(c.seq_id == ticket.key for c in calls)
+    assert steps == 1
+
+
+def test_a_free_slot_is_taken_at_once_while_a_prompt_ahead_is_paced() -> None:
+    b = paced_bench()
+    decode_costs(b, DECODE)
+    b.submit("running", prompt=3, tokens=200)
+    b.rounds(2)
+    b.submit("long", prompt=300, tokens=5)
+    b.rounds(2)
+    b.submit("next", prompt=20, tokens=5)
+
+    b.rounds(1)
+
+    assert b.events.started()[-1] == "next"  # admitted into its slot in the first round
+    started = b.events.by_request["next"][0]
+    assert isinstance(started, Started) and started.queued_seconds == 0.0
+    assert b.events.tokens("next") == 0  # its prompt waits behind the one ahead
+
+
+def test_time_to_first_token_splits_into_queued_paced_and_prefill() -> None:
+    b = paced_bench()
+    decode_costs(b, DECODE)
+    b.submit("running", prompt=3, tokens=200)
+    b.rounds(2)
+    b.submit("long", prompt=300, tokens=2)
+    b.rounds(2)
+    b.submit("next", prompt=20, tokens=2)
+    while not isinstance(b.events.final("next"), Completed):
+        b.rounds(1)
+
+    for name, prompt in (("long", 300), ("next", 20)):
+        final = b.events.final(name)
+        assert isinstance(final, Completed)
+        timing = final.result.timing
+        assert timing.time_to_first_token is not None
+        assert timing.prefill is not None and timing.paced is not None
+        # Its prefill is its own prompt's cost; everything else between start and first token
+        # was other requests' work.
+        assert timing.prefill == pytest.approx(prompt * TOKEN_COST)
+        assert timing.queued + timing.paced + timing.prefill == pytest.approx(timing.time_to_first_token)
+        assert timing.paced > 0
 
 
 # -- deadlines ---------------------------------------------------------------------------------

@@ -72,6 +72,8 @@ async def test_each_request_writes_one_json_line_with_its_outcome_and_timings(
     assert first["queued_ms"] == pytest.approx(timing.queued * 1000, abs=1e-5)
     assert first["ttft_ms"] == pytest.approx((timing.time_to_first_token or 0) * 1000, abs=1e-5)
     assert first["prefill_ms"] == pytest.approx((timing.prefill or 0) * 1000, abs=1e-5)
+    assert first["paced_ms"] == pytest.approx((timing.paced or 0) * 1000, abs=1e-5)
+    assert first["cached_prompt_tokens"] == result.cached_prompt_tokens
     assert first["tpot_ms"] == pytest.approx((timing.time_per_output_token or 0) * 1000, abs=1e-5)
     assert first["trace_id"] is None  # no caller trace and no tracing
 

@@ -96,7 +96,12 @@ async def test_a_generation_continues_the_callers_trace_with_timed_stage_spans(
     timing = response.timing
     assert span_seconds(root) == pytest.approx(seconds(timing.total), abs=2e-9)
     assert span_seconds(stages["queue"]) == pytest.approx(seconds(timing.queued), abs=2e-9)
-    assert span_seconds(stages["prefill"]) == pytest.approx(seconds(timing.prefill), abs=2e-9)
+    # The prefill stage spans the prompt's own work and any time it waited on other requests.
+    prompt_stage = seconds(timing.prefill) + seconds(timing.paced)
+    assert span_seconds(stages["prefill"]) == pytest.approx(prompt_stage, abs=3e-9)
+    assert stages["prefill"].attributes["tokenwire.prefill.paced_seconds"] == pytest.approx(
+        seconds(timing.paced), abs=2e-9
+    )
     decode = seconds(timing.total) - seconds(timing.time_to_first_token)
     assert span_seconds(stages["decode"]) == pytest.approx(decode, abs=2e-9)
     # The stages tile the request: each begins where the previous one ended.

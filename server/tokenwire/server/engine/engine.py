@@ -7,6 +7,12 @@ slots, run prompt chunks, run one batched decode step, then deliver the step's e
 event loop in a single `call_soon_threadsafe`. Aborts (cancel, disconnect, deadline, shutdown)
 therefore take effect at the next step boundary, within one decode step, and free the
 sequence's KV cache at once.
+
+Prompt work is stall-free: a free slot is taken at once, but while streams decode a round
+runs only as many prompt tokens as its step-time budget allows (pacing.py), so a long prompt
+spreads over several rounds instead of holding every stream's next token. And a prompt that
+starts with a prefix an earlier prompt had, in full blocks, starts from a copy of that
+prefix's KV rows (prefix_cache.py) and prefills only the rest.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import numpy as np
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.format_cache import FormatCache, invalid_format
 from tokenwire.server.engine.observer import EngineObserver, NullObserver
+from tokenwire.server.engine.pacing import PrefillPacer, chunk_length
+from tokenwire.server.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from tokenwire.server.engine.sequence import Sequence, timing_report
 from tokenwire.server.engine.types import (
     AbortReason,
@@ -45,7 +53,7 @@ from tokenwire.server.engine.types import (
     TokenLogprobs,
     TokensGenerated,
 )
-from tokenwire.server.models.runner import ModelRunner
+from tokenwire.server.models.runner import KvRowAccess, ModelRunner
 from tokenwire.server.sampling.constraint import CompiledFormat, MaskWorkspace
 from tokenwire.server.sampling.logprobs import token_logprob
 from tokenwire.server.sampling.sampler import pick_tokens
@@ -65,7 +73,17 @@ class EngineConfig:
     max_queue_size: int = 64
     """Most accepted requests waiting for a slot; beyond it requests are rejected at once."""
     prefill_chunk_size: int = 256
-    """Prompt tokens processed per model call, so a long prompt cannot stall running streams."""
+    """Most prompt tokens processed per model call."""
+    stall_free: bool = True
+    """While streams decode, bound each round's prompt work by a step-time budget (pacing.py).
+    False: one whole chunk per round, however long it takes."""
+    max_step_seconds: float | None = None
+    """The stall-free budget's target for a round (prompt work and one decode step); None: a
+    multiple of the measured decode step."""
+    prefix_cache_bytes: int = 0
+    """Memory for cached prompt prefixes' KV rows; 0 turns prefix caching off."""
+    prefix_block_tokens: int = 16
+    """Prompt tokens per prefix-cache block: prefixes are reused in whole blocks."""
 
 
 @dataclass
@@ -91,6 +109,8 @@ class EngineStats:
     orphaned_steps: int = 0
     """Decode steps run for aborted sequences beyond the one step an abort may take to land."""
     step_failures: int = 0
+    prefill_tokens: int = 0
+    """Prompt tokens the model processed (those copied from the prefix cache are not counted)."""
 
 
 @dataclass
@@ -125,6 +145,8 @@ class _Inbox:
     """The engine's count of completed decode steps, published for the aborts to carry."""
     rejected: int = 0
     abort_requests: int = 0
+    prefix_cache: PrefixCacheStats | None = None
+    """The prefix cache's figures after the latest round, for readers off the engine thread."""
 
 
 class Engine:
@@ -168,6 +190,10 @@ class Engine:
         self._outbox: list[tuple[EventSink, EngineEvent]] = []
         self._service_seconds = 1.0  # moving average of started->finished, for retry hints
         self._stats = EngineStats()
+        self._pacer = PrefillPacer(max_step_seconds=config.max_step_seconds)
+        self._prefix_cache = _prefix_cache_for(runner, config)
+        if self._prefix_cache is not None:
+            self._inbox.prefix_cache = self._prefix_cache.stats()
 
     # -- event-loop side -------------------------------------------------------------------------
 
@@ -255,6 +281,12 @@ class Engine:
             self._inbox.aborts.append(_Abort(key, reason, requested_at_step=self._inbox.decode_steps))
             self._inbox.abort_requests += 1
             self._wakeup.notify()
+
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None:
+        """The prefix cache's size and hits after the latest round; None when it is off."""
+        with self._lock:
+            return self._inbox.prefix_cache
 
     @property
     def live_count(self) -> int:
@@ -389,15 +421,28 @@ class Engine:
             self._prefilling.append(sequence)
             self._emit(entry.sink, Started(now - entry.request.received_at, len(entry.request.prompt_ids)))
 
+    def _prefill_budget(self) -> float:
+        """Prompt tokens this round may process: unbounded when nothing decodes."""
+        decoding = bool(self._decoding)
+        if not self._config.stall_free:
+            return self._config.prefill_chunk_size if decoding else math.inf
+        tokens = self._pacer.budget(decoding=decoding).tokens
+        return math.inf if tokens is None else tokens
+
     def _run_prefill(self) -> None:
-        # With streams decoding, prompt work per round is capped at one chunk so their next token
-        # is not held up; with nothing decoding, every waiting prompt is processed at once.
-        budget = self._config.prefill_chunk_size if self._decoding else math.inf
+        # Prompts are worked on first come, first served: the head of the line gets the round's
+        # budget, and a prompt behind it starts only when the head is done. That is also what
+        # lets a prompt reuse the prefix a prompt ahead of it has just cached.
+        budget = self._prefill_budget()
         chunk_size = self._config.prefill_chunk_size
         while self._prefilling and budget > 0:
             sequence = self._prefilling[0]
+            own_work_began = self._clock()
+            if sequence.prefix_lease is None and self._prefix_cache is not None:
+                self._load_cached_prefix(sequence, self._prefix_cache)
             start = sequence.prefilled
-            chunk = sequence.prompt_ids[start : start + chunk_size]
+            length = chunk_length(len(sequence.prompt_ids) - start, int(min(budget, chunk_size)))
+            chunk = sequence.prompt_ids[start : start + length]
             began = self._clock()
             try:
                 logits = self._runner.prefill(sequence.key, chunk, start=start)
@@ -409,9 +454,16 @@ class Engine:
                 continue
             now = self._clock()
             self._stats.prefill_chunks += 1
+            self._stats.prefill_tokens += len(chunk)
             self._observer.prefill_chunk(model=self._model, tokens=len(chunk), seconds=now - began)
+            self._pacer.observe_prefill(len(chunk), now - began)
             budget -= len(chunk)
             sequence.prefilled += len(chunk)
+            if self._prefix_cache is not None:
+                self._cache_prompt_blocks(sequence, self._prefix_cache)
+                now = self._clock()
+            # The prompt's own work: its model call and its cache copies, in and out.
+            sequence.prefill_seconds += now - own_work_began
             if sequence.prefill_done:
                 self._prefilling.popleft()
                 # Join the decoding set first: _accept_tokens removes it again if it already ended.
@@ -419,6 +471,45 @@ class Engine:
                 self._accept_tokens([sequence], logits[np.newaxis, :], now)
                 # Its first token leaves now, not after the round's other prompts.
                 self._flush()
+                if math.isinf(budget):
+                    # Streams decode from now on: the prompts behind it are paced.
+                    budget = self._prefill_budget()
+
+    def _load_cached_prefix(self, sequence: Sequence, cache: PrefixCache) -> None:
+        """Start the sequence from the longest cached prefix of its prompt, if there is one."""
+        prompt = sequence.prompt_ids
+        # At least two prompt tokens are left to prefill: the last one's logits are needed, and a
+        # one-token chunk would compute them differently from a prefill without the cache.
+        lease = cache.lookup(prompt, limit=len(prompt) - 2)
+        sequence.prefix_lease = lease
+        if not lease.tokens:
+            return
+        try:
+            loaded = _rows(self._runner).start_from_kv(sequence.key, lease.kv())
+        except Exception:
+            log.exception("copying a cached prefix failed for request %s", sequence.request.request_id)
+            cache.release(lease)  # it prefills from the start instead
+            return
+        sequence.prefilled = sequence.cached_prompt_tokens = loaded
+
+    def _cache_prompt_blocks(self, sequence: Sequence, cache: PrefixCache) -> None:
+        """Copy the prompt's newly completed full blocks into the prefix cache."""
+        lease = sequence.prefix_lease
+        size = cache.block_tokens
+        if lease is None or sequence.prefix_cache_full:
+            return
+        have, full = len(lease.blocks), sequence.prefilled // size
+        if full <= have:
+            return
+        try:
+            rows = _rows(self._runner).read_kv(sequence.key, have * size, full * size)
+        except Exception:
+            log.exception("caching the prompt of request %s failed", sequence.request.request_id)
+            sequence.prefix_cache_full = True
+            return
+        blocks = [np.ascontiguousarray(rows[:, :, i * size : (i + 1) * size]) for i in range(full - have)]
+        if cache.extend(lease, sequence.prompt_ids, blocks) < len(blocks):
+            sequence.prefix_cache_full = True  # the rest would not fit either
 
     def _run_decode(self) -> None:
         rows = [s for s in self._decoding.values() if s.output_ids]
@@ -436,6 +527,7 @@ class Engine:
                 self._finish(sequence, _model_error(error), now)
             return
         now = self._clock()
+        self._pacer.observe_decode(now - began)
         self._stats.decode_steps += 1
         self._stats.decoded_rows += len(rows)
         with self._lock:
@@ -537,6 +629,8 @@ class Engine:
                 if remainder:
                     self._emit(live.sink, TokensGenerated((), remainder))
             self._runner.release(live.key)
+            if live.prefix_lease is not None and self._prefix_cache is not None:
+                self._prefix_cache.release(live.prefix_lease)
             self._service_seconds = 0.8 * self._service_seconds + 0.2 * max(0.0, now - live.started_at)
             timing = live.timing(now)
             completion_tokens = len(live.output_ids)
@@ -593,8 +687,10 @@ class Engine:
         self._outbox.append((sink, event))
 
     def _report_occupancy(self) -> None:
+        cache_stats = self._prefix_cache.stats() if self._prefix_cache is not None else None
         with self._lock:
             queued = len(self._inbox.waiting)
+            self._inbox.prefix_cache = cache_stats
         running = [*self._prefilling, *self._decoding.values()]
         self._observer.occupancy(
             model=self._model,
@@ -628,6 +724,31 @@ class Engine:
                 log.exception("event sink failed")
         if self._idle is not None and idle and self.live_count == 0:
             self._idle.set()
+
+
+def _prefix_cache_for(runner: ModelRunner, config: EngineConfig) -> PrefixCache | None:
+    """The prefix cache the settings ask for, where the runner can copy KV rows; reported at start."""
+    if config.prefix_cache_bytes <= 0:
+        return None
+    token_bytes = runner.kv_bytes_per_token() if isinstance(runner, KvRowAccess) else 0
+    name = runner.info.name
+    if token_bytes <= 0:
+        log.info("prefix cache off for %s: its runner cannot copy KV rows (a KV cache on a device)", name)
+        return None
+    log.info(
+        "prefix cache for %s: %.0f MiB, room for about %d prompt tokens in blocks of %d",
+        name,
+        config.prefix_cache_bytes / 2**20,
+        config.prefix_cache_bytes // token_bytes,
+        config.prefix_block_tokens,
+    )
+    return PrefixCache(capacity_bytes=config.prefix_cache_bytes, block_tokens=config.prefix_block_tokens)
+
+
+def _rows(runner: ModelRunner) -> KvRowAccess:
+    # Only called with a prefix cache, which exists only for runners that copy rows.
+    assert isinstance(runner, KvRowAccess)
+    return runner
 
 
 def _abort_ending(reason: AbortReason, *, started: bool) -> FinishReason | GenerationError:

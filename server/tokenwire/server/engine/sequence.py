@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenwire.server.engine.prefix_cache import PrefixLease
 from tokenwire.server.engine.types import (
     EventSink,
     FinishReason,
@@ -44,7 +45,15 @@ class Sequence:
     """The matcher of the request's response format, if it has one."""
     sampler: SequenceSampler = field(init=False)
     prefilled: int = 0
-    """Prompt tokens already processed."""
+    """Prompt tokens already in the KV cache (processed, or copied from the prefix cache)."""
+    cached_prompt_tokens: int = 0
+    """Of those, tokens copied from the prefix cache."""
+    prefill_seconds: float = 0.0
+    """Time spent on this prompt's own model calls and cache copies (not waiting on others)."""
+    prefix_lease: PrefixLease | None = None
+    """The prefix-cache blocks this sequence holds; None until its prompt was looked up."""
+    prefix_cache_full: bool = False
+    """The cache took no more of this prompt's blocks; stop offering them."""
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -130,6 +139,7 @@ class Sequence:
             prompt_tokens=len(self.request.prompt_ids),
             timing=self.timing(now),
             logprobs=tuple(self.logprobs),
+            cached_prompt_tokens=self.cached_prompt_tokens,
         )
 
     def timing(self, now: float) -> TimingReport:
@@ -140,6 +150,7 @@ class Sequence:
             last_token=self.last_token_at,
             finished=now,
             tokens=len(self.output_ids),
+            prefill_busy=self.prefill_seconds,
         )
 
 
@@ -151,10 +162,18 @@ def timing_report(
     last_token: float | None,
     finished: float,
     tokens: int,
+    prefill_busy: float | None = None,
 ) -> TimingReport:
+    """`prefill_busy`: of the time from start to first token, what the prompt's own work took;
+    the rest is reported as paced (waiting on other requests). None: all of it is prefill."""
     queued = (started if started is not None else finished) - received
     ttft = None if first_token is None else first_token - received
     prefill = None if first_token is None or started is None else first_token - started
+    paced: float | None = None
+    if prefill is not None and prefill_busy is not None:
+        busy = min(prefill, prefill_busy)
+        paced = prefill - busy
+        prefill = busy
     rate = 0.0
     per_token: float | None = None
     if tokens > 1 and first_token is not None and last_token is not None and last_token > first_token:
@@ -168,4 +187,5 @@ def timing_report(
         prefill=prefill,
         decode_tokens_per_second=rate,
         time_per_output_token=per_token,
+        paced=paced,
     )

@@ -26,7 +26,7 @@ class AccessLog:
         stages = summary.stages
         prefill = None
         if stages.first_token is not None and stages.queued is not None:
-            prefill = stages.first_token - stages.queued
+            prefill = stages.first_token - stages.queued - (stages.paced or 0.0)
         fields: dict[str, object] = {
             "method": summary.method,
             "request_id": summary.request_id,
@@ -37,8 +37,10 @@ class AccessLog:
             "finish_reason": summary.finish_reason,
             "prompt_tokens": summary.prompt_tokens,
             "completion_tokens": summary.completion_tokens,
+            "cached_prompt_tokens": summary.cached_prompt_tokens,
             "queued_ms": _ms(stages.queued),
             "ttft_ms": _ms(stages.first_token),
+            "paced_ms": _ms(stages.paced),
             "prefill_ms": _ms(prefill),
             "tpot_ms": _ms(stages.time_per_output_token),
             "total_ms": _ms(stages.total),

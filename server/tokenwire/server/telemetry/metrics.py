@@ -16,6 +16,7 @@ from typing import NamedTuple, Protocol
 
 from opentelemetry.metrics import CallbackOptions, Meter, Observation
 
+from tokenwire.server.engine.prefix_cache import PrefixCacheStats
 from tokenwire.server.engine.types import FinishReason, Outcome, TimingReport
 
 REQUEST_DURATION = "gen_ai.server.request.duration"
@@ -23,6 +24,7 @@ TIME_TO_FIRST_TOKEN = "gen_ai.server.time_to_first_token"
 TIME_PER_OUTPUT_TOKEN = "gen_ai.server.time_per_output_token"
 QUEUE_DURATION = "tokenwire.server.queue.duration"
 PREFILL_DURATION = "tokenwire.server.prefill.duration"
+PACED_DURATION = "tokenwire.server.prefill.paced.duration"
 REQUESTS = "tokenwire.server.requests"
 PROMPT_TOKENS = "tokenwire.server.prompt_tokens"
 GENERATED_TOKENS = "tokenwire.server.generated_tokens"
@@ -31,6 +33,10 @@ QUEUE_DEPTH = "tokenwire.engine.queue.depth"
 BATCH_SIZE = "tokenwire.engine.batch.size"
 KV_CACHE_USAGE = "tokenwire.engine.kv_cache.usage"
 SLOT_USAGE = "tokenwire.engine.slots.usage"
+PREFIX_CACHE_SIZE = "tokenwire.engine.prefix_cache.size"
+PREFIX_CACHE_CAPACITY = "tokenwire.engine.prefix_cache.capacity"
+PREFIX_CACHE_HIT_RATE = "tokenwire.engine.prefix_cache.hit_rate"
+PREFIX_CACHE_HIT_TOKENS = "tokenwire.engine.prefix_cache.hit_tokens"
 
 MODEL = "gen_ai.request.model"
 OUTCOME = "outcome"
@@ -73,6 +79,9 @@ class QueueSource(Protocol):
     @property
     def slots(self) -> int: ...
 
+    @property
+    def prefix_cache_stats(self) -> PrefixCacheStats | None: ...
+
 
 class ServerMetrics:
     """The instruments of one server. Every method is safe to call from any thread.
@@ -112,7 +121,16 @@ class ServerMetrics:
         self._prefill_duration = meter.create_histogram(
             PREFILL_DURATION,
             unit="s",
-            description="Time from the start of work on a request until its first token: the prompt.",
+            description="The model's work on a request's prompt: its tokens not found in the prefix cache, "
+            "and copying those that were.",
+            explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS,
+        )
+        self._paced_duration = meter.create_histogram(
+            PACED_DURATION,
+            unit="s",
+            description="Time between the start of work on a request and its first token that its prompt "
+            "waited on other requests (their decode steps under stall-free pacing, prompts ahead of it); "
+            "time to first token = queue + paced + prefill.",
             explicit_bucket_boundaries_advisory=TIME_TO_FIRST_TOKEN_BUCKETS,
         )
         self._requests = meter.create_counter(
@@ -155,6 +173,31 @@ class ServerMetrics:
             description="Fraction of the batch's sequence slots in use after the latest scheduling round "
             "(0 to 1).",
         )
+        meter.create_observable_gauge(
+            PREFIX_CACHE_SIZE,
+            callbacks=[self._observe_prefix_cache("bytes")],
+            unit="By",
+            description="Memory the prefix cache's KV rows take (models with the cache on).",
+        )
+        meter.create_observable_gauge(
+            PREFIX_CACHE_CAPACITY,
+            callbacks=[self._observe_prefix_cache("capacity_bytes")],
+            unit="By",
+            description="Most memory the prefix cache may take (--prefix-cache-mb).",
+        )
+        meter.create_observable_gauge(
+            PREFIX_CACHE_HIT_RATE,
+            callbacks=[self._observe_prefix_cache("hit_rate")],
+            unit="1",
+            description="Fraction of prompt tokens found in the prefix cache since the server started "
+            "(0 to 1).",
+        )
+        meter.create_observable_counter(
+            PREFIX_CACHE_HIT_TOKENS,
+            callbacks=[self._observe_prefix_cache("hit_tokens")],
+            unit="{token}",
+            description="Prompt tokens whose KV rows were copied from the prefix cache instead of prefilled.",
+        )
 
     # -- EngineObserver (engine thread) ---------------------------------------------------------
 
@@ -177,6 +220,8 @@ class ServerMetrics:
             self._time_to_first_token.record(timing.time_to_first_token, by_model)
         if timing.prefill is not None:
             self._prefill_duration.record(timing.prefill, by_model)
+        if timing.paced is not None:
+            self._paced_duration.record(timing.paced, by_model)
         if timing.time_per_output_token is not None:
             self._time_per_output_token.record(timing.time_per_output_token, by_model)
         self._prompt_tokens.add(prompt_tokens, by_model)
@@ -222,6 +267,17 @@ class ServerMetrics:
             Observation(_fraction(latest.running, latest.slots), {MODEL: engine.model_name})
             for engine, latest in ((engine, self._latest(engine)) for engine in self._engines())
         ]
+
+    def _observe_prefix_cache(self, figure: str) -> Callable[[CallbackOptions], Iterable[Observation]]:
+        def observe(options: CallbackOptions) -> Iterable[Observation]:
+            observations = []
+            for engine in self._engines():
+                stats = engine.prefix_cache_stats
+                if stats is not None:
+                    observations.append(Observation(getattr(stats, figure), {MODEL: engine.model_name}))
+            return observations
+
+        return observe
 
     def _latest(self, engine: QueueSource) -> _Occupancy:
         return self._occupancy.get(engine.model_name, _Occupancy(0, engine.slots, 0, 0))

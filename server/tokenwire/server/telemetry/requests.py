@@ -124,6 +124,7 @@ class RequestRecord:
             finish_reason=result.finish_reason.value,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
+            cached_prompt_tokens=result.cached_prompt_tokens,
         )
 
     def _failed(self, event: Failed) -> RequestSummary:
@@ -171,4 +172,5 @@ def _stages(event: Completed | Failed) -> Stages:
         queued=timing.queued,
         first_token=timing.time_to_first_token,
         time_per_output_token=timing.time_per_output_token,
+        paced=timing.paced,
     )

@@ -30,6 +30,9 @@ class Stages:
     """When the request left the queue (work began, or it ended there); None: it was never queued."""
     first_token: float | None = None
     time_per_output_token: float | None = None
+    paced: float | None = None
+    """Of the time between `queued` and `first_token`, how long the prompt waited on other requests;
+    the rest was its own prefill."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +49,8 @@ class RequestSummary:
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    """Prompt tokens taken from the prefix cache."""
     error_code: str | None = None
     """The status code's name (e.g. DEADLINE_EXCEEDED) when the request failed."""
     error_reason: str | None = None

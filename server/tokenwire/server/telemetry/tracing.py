@@ -72,7 +72,13 @@ class RequestTracer:
         if stages.queued is not None:
             children.append(("queue", 0.0, stages.queued, {}))
             if stages.first_token is not None:
-                prompt: dict[str, AttributeValue] = {"gen_ai.usage.input_tokens": summary.prompt_tokens}
+                # The span covers the prompt's whole stage; the attributes say how much of it
+                # was waiting on other requests and how much of the prompt the cache held.
+                prompt: dict[str, AttributeValue] = {
+                    "gen_ai.usage.input_tokens": summary.prompt_tokens,
+                    "tokenwire.prefill.cached_tokens": summary.cached_prompt_tokens,
+                    "tokenwire.prefill.paced_seconds": stages.paced or 0.0,
+                }
                 children.append(("prefill", stages.queued, stages.first_token, prompt))
                 decoded: dict[str, AttributeValue] = {
                     "tokenwire.decode.tokens": max(0, summary.completion_tokens - 1)
