@@ -242,6 +242,9 @@ class ServerProcess:
     host: str = LOOPBACK
     model_name: str | None = None
     """Serve the model under this name instead of its directory's."""
+    code: Path | None = None
+    """A checkout of another tokenwire version to serve instead of this one (its server/ and
+    client/ go first on PYTHONPATH): the "before" side of a before/after benchmark."""
     process: subprocess.Popen[str] | None = None
     port: int = 0
     log: list[str] = field(default_factory=list)
@@ -268,8 +271,12 @@ class ServerProcess:
             str(self.threads),
             *self.extra,
         ]
+        env = None
+        if self.code is not None:
+            paths = [str(self.code / "server"), str(self.code / "client"), os.environ.get("PYTHONPATH", "")]
+            env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p))
         self.process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
+            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1, env=env
         )
         assert self.process.stdout is not None
         deadline = time.monotonic() + 300
