@@ -501,13 +501,14 @@ class Engine:
         have, full = len(lease.blocks), sequence.prefilled // size
         if full <= have:
             return
+        runner = _rows(self._runner)
         try:
-            rows = _rows(self._runner).read_kv(sequence.key, have * size, full * size)
+            # One read per block: each block is its own array, freed on its own when evicted.
+            blocks = [runner.read_kv(sequence.key, i * size, (i + 1) * size) for i in range(have, full)]
         except Exception:
             log.exception("caching the prompt of request %s failed", sequence.request.request_id)
             sequence.prefix_cache_full = True
             return
-        blocks = [np.ascontiguousarray(rows[:, :, i * size : (i + 1) * size]) for i in range(full - have)]
         if cache.extend(lease, sequence.prompt_ids, blocks) < len(blocks):
             sequence.prefix_cache_full = True  # the rest would not fit either
 

@@ -252,9 +252,9 @@ class SharedKvRunner:
             raise ModelRunnerError("no free KV-cache slot")
         slot = heapq.heappop(self._free)
         self._slot_of[seq_id] = slot
-        rows = np.concatenate(blocks, axis=2) if len(blocks) > 1 else blocks[0]
         for tensor, array in enumerate(self._kv.host):
-            array[slot, :, :length] = rows[tensor]
+            # Straight from the blocks into the slot: one pass over the memory.
+            np.concatenate([block[tensor] for block in blocks], axis=1, out=array[slot, :, :length])
         self._lengths[slot] = length
         return length
 
