@@ -16,6 +16,7 @@ from tokenwire.client.types import (
     GenerateOptions,
     Generation,
     ModelDescription,
+    Priority,
     Queued,
     Started,
     StreamEvent,
@@ -32,6 +33,13 @@ _FINISH = {
     pb.FINISH_REASON_EOS: FinishReason.EOS,
     pb.FINISH_REASON_STOP: FinishReason.STOP,
     pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+}
+
+
+_PRIORITIES = {
+    Priority.INTERACTIVE: pb.PRIORITY_INTERACTIVE,
+    Priority.DEFAULT: pb.PRIORITY_DEFAULT,
+    Priority.BATCH: pb.PRIORITY_BATCH,
 }
 
 
@@ -66,6 +74,8 @@ def generate_request(prompt: Prompt, options: GenerateOptions, request_id: str =
     message.stopping.ignore_eos = stopping.ignore_eos
     if options.timeout is not None:
         message.timeout.CopyFrom(_duration(options.timeout))
+    if options.priority is not Priority.DEFAULT:
+        message.priority = _PRIORITIES[options.priority]
     response_format = options.response_format
     if response_format is not None:
         if response_format.json_schema is not None:

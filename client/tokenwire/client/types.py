@@ -14,6 +14,14 @@ class FinishReason(Enum):
     UNSPECIFIED = "unspecified"
 
 
+class Priority(Enum):
+    """How urgently a request wants a slot (GenerateRequest.priority)."""
+
+    INTERACTIVE = "interactive"
+    DEFAULT = "default"
+    BATCH = "batch"
+
+
 @dataclass(frozen=True)
 class ChatMessage:
     role: str
@@ -63,6 +71,7 @@ class GenerateOptions:
     timeout: float | None = None
     """Per-request deadline in seconds, enforced by the server through queue and generation."""
     response_format: ResponseFormat | None = None
+    priority: Priority = Priority.DEFAULT
 
 
 @dataclass(frozen=True)

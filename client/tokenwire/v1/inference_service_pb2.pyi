@@ -21,6 +21,34 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _Priority:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _PriorityEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_Priority.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    PRIORITY_UNSPECIFIED: _Priority.ValueType  # 0
+    """Not set: treated as PRIORITY_DEFAULT."""
+    PRIORITY_INTERACTIVE: _Priority.ValueType  # 1
+    """A person is waiting: admitted before every other priority."""
+    PRIORITY_DEFAULT: _Priority.ValueType  # 2
+    """Ordinary service traffic."""
+    PRIORITY_BATCH: _Priority.ValueType  # 3
+    """Background work: admitted after the others and never into the reserved slots."""
+
+class Priority(_Priority, metaclass=_PriorityEnumTypeWrapper):
+    """Priority orders waiting requests."""
+
+PRIORITY_UNSPECIFIED: Priority.ValueType  # 0
+"""Not set: treated as PRIORITY_DEFAULT."""
+PRIORITY_INTERACTIVE: Priority.ValueType  # 1
+"""A person is waiting: admitted before every other priority."""
+PRIORITY_DEFAULT: Priority.ValueType  # 2
+"""Ordinary service traffic."""
+PRIORITY_BATCH: Priority.ValueType  # 3
+"""Background work: admitted after the others and never into the reserved slots."""
+Global___Priority: _TypeAlias = Priority  # noqa: Y015
+
 class _FinishReason:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -73,6 +101,7 @@ class GenerateRequest(_message.Message):
     TOP_LOGPROBS_FIELD_NUMBER: _builtins.int
     TIMEOUT_FIELD_NUMBER: _builtins.int
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
+    PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen identifier, at most 128 characters. Required in StreamGenerate, where it must be
     unique among the stream's live requests; optional in Generate, where the server assigns one
@@ -90,6 +119,15 @@ class GenerateRequest(_message.Message):
     top_logprobs: _builtins.int
     """How many of the most likely alternatives to return with each token's log-probability, 0 to 20.
     Default 0. Needs `logprobs`.
+    """
+    priority: Global___Priority.ValueType
+    """How urgently the request wants a slot. Waiting requests of a higher priority are admitted
+    before those of a lower one; within a priority, callers (named by the server's token file)
+    take turns in proportion to their weights, and a caller holding more than its share of the
+    queue gets RESOURCE_EXHAUSTED (ErrorInfo reason CALLER_OVER_SHARE, or CALLER_QUEUE_FULL at
+    its own limit) with a retry delay while other callers still get in. BATCH requests always
+    leave the server's reserved slots (--batch-reserved-slots) to the other priorities.
+    Unset (PRIORITY_UNSPECIFIED) means PRIORITY_DEFAULT.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -146,10 +184,11 @@ class GenerateRequest(_message.Message):
         top_logprobs: _builtins.int = ...,
         timeout: _duration_pb2.Duration | None = ...,
         response_format: Global___ResponseFormat | None = ...,
+        priority: Global___Priority.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt: _TypeAlias = _typing.Literal["prompt"]  # noqa: Y015
     _WhichOneofArgType__prompt: _TypeAlias = _typing.Literal["_prompt", b"_prompt"]  # noqa: Y015

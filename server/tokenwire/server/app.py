@@ -33,6 +33,7 @@ from tokenwire.server.observers import ObserverFanOut
 from tokenwire.server.sampling.constraint import FormatCompiler
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import BearerTokenInterceptor
+from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.exporters import Telemetry
 from tokenwire.server.telemetry.tracing import Metadata
 
@@ -127,7 +128,13 @@ class TokenwireServer:
         interceptors.append(LoadReportTrailers(self.load_tracker, LOAD_REPORTED_METHODS))
         server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
         add_inference_service(
-            InferenceServicer(self.registry, self.lifecycle, telemetry=self.telemetry.requests), server
+            InferenceServicer(
+                self.registry,
+                self.lifecycle,
+                telemetry=self.telemetry.requests,
+                callers=CallerDirectory(settings.auth.token_callers()),
+            ),
+            server,
         )
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         add_orca_service(
@@ -186,6 +193,7 @@ class TokenwireServer:
                     stall_free=settings.stall_free,
                     max_step_seconds=settings.max_step_ms / 1000 if settings.max_step_ms > 0 else None,
                     prefix_cache_bytes=settings.prefix_cache_mb * 2**20,
+                    batch_reserved_slots=settings.batch_reserved_slots,
                 ),
                 observer=self._observer,
                 check_accepting=self.lifecycle.check_accepting,

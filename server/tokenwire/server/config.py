@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Literal
 
 from tokenwire.server.engine.format_cache import FormatLimits
+from tokenwire.server.engine.types import Caller
 from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.models.runtime_check import Device
+from tokenwire.server.security.callers import default_name
 from tokenwire.server.settings_schema import (
     ENGINE,
     HEALTH,
@@ -129,6 +131,9 @@ class AuthSettings:
     tokens: tuple[str, ...] = field(default=(), repr=False)
     """Accepted bearer tokens; empty: authentication is off. Never shown in a repr or a log.
     Not a setting of the usual kind: see settings_sources.py."""
+    callers: tuple[Caller, ...] = field(default=(), repr=False)
+    """The caller each of `tokens` stands for, in the same order; empty: each token is its own
+    caller, named by its digest (security/callers.py)."""
     protect_health: bool = setting(
         False,
         "require the bearer token for grpc.health.v1 too (off: load balancers probe without one)",
@@ -138,6 +143,11 @@ class AuthSettings:
     @property
     def enabled(self) -> bool:
         return bool(self.tokens)
+
+    def token_callers(self) -> tuple[tuple[str, Caller], ...]:
+        if self.callers:
+            return tuple(zip(self.tokens, self.callers, strict=True))
+        return tuple((token, Caller(default_name(token))) for token in self.tokens)
 
 
 @dataclass(frozen=True)
@@ -214,6 +224,13 @@ class ServerSettings:
     prefix_cache_mb: int = setting(
         256,
         "memory for the KV rows of cached prompt prefixes, in MiB (0 turns prefix caching off)",
+        group=ENGINE,
+        minimum=0,
+    )
+    batch_reserved_slots: int = setting(
+        1,
+        "slots BATCH-priority requests leave to the others, so INTERACTIVE work is admitted within one step "
+        "(capped at all slots but one)",
         group=ENGINE,
         minimum=0,
     )

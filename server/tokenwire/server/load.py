@@ -101,6 +101,7 @@ class LoadTracker(NullObserver):
         prompt_tokens: int,
         completion_tokens: int,
         timing: TimingReport,
+        caller: str = "anonymous",
     ) -> None:
         now = self._clock()
         with self._lock:

@@ -23,6 +23,7 @@ class ObserverFanOut:
         prompt_tokens: int,
         completion_tokens: int,
         timing: TimingReport,
+        caller: str = "anonymous",
     ) -> None:
         for observer in self._observers:
             observer.request_finished(
@@ -32,6 +33,7 @@ class ObserverFanOut:
                 prompt_tokens=prompt_tokens,
                 completion_tokens=completion_tokens,
                 timing=timing,
+                caller=caller,
             )
 
     def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:

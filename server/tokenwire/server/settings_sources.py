@@ -25,8 +25,9 @@ from pathlib import Path
 from typing import Any
 
 from tokenwire.server.config import ModelSource, ServerSettings
+from tokenwire.server.engine.types import Caller
 from tokenwire.server.security import tls
-from tokenwire.server.security.auth import AUTH_TOKENS_ENV, TokenFileError, load_tokens
+from tokenwire.server.security.auth import AUTH_TOKENS_ENV, TokenFileError, load_token_callers
 from tokenwire.server.settings_schema import GROUPS, SECURITY, Setting, declared_settings
 from tokenwire.server.telemetry.exporters import otlp_exporter_installed
 
@@ -133,9 +134,9 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerSettings
             problems.append(f"{origin}: {error}")
             values[setting.key] = setting.default
     models = _models(args.model, environ, file_values.get("model"), base, problems)
-    tokens: tuple[str, ...] = ()
+    tokens: tuple[tuple[str, Caller], ...] = ()
     try:
-        tokens = load_tokens(_optional_path(values["auth_tokens_file"]), environ)
+        tokens = load_token_callers(_optional_path(values["auth_tokens_file"]), environ)
     except TokenFileError as error:
         problems.append(str(error))
     if problems:
@@ -152,10 +153,11 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerSettings
 
 
 def _build(
-    values: Mapping[str, object], models: tuple[ModelSource, ...], tokens: tuple[str, ...]
+    values: Mapping[str, object], models: tuple[ModelSource, ...], tokens: tuple[tuple[str, Caller], ...]
 ) -> ServerSettings:
     """The settings object: each declared setting's value put at its field's path."""
-    fields: dict[str, Any] = {"models": models, "auth": {"tokens": tokens}}
+    auth = {"tokens": tuple(t for t, _ in tokens), "callers": tuple(c for _, c in tokens)}
+    fields: dict[str, Any] = {"models": models, "auth": auth}
     for setting in SETTINGS:
         if not setting.path:
             continue

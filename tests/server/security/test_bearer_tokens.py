@@ -172,7 +172,12 @@ async def test_tokens_never_reach_logs_spans_or_metrics(
         assert secret not in exported
         assert secret not in metrics.text
     assert (
-        metrics.value("tokenwire_server_requests_total", gen_ai_request_model="", outcome="unauthenticated")
+        metrics.value(
+            "tokenwire_server_requests_total",
+            gen_ai_request_model="",
+            outcome="unauthenticated",
+            caller="anonymous",
+        )
         == 2
     )
 
@@ -193,7 +198,10 @@ def test_tokens_come_from_the_file_and_the_environment(tmp_path: Path) -> None:
     ("content", "message"),
     [
         ("# nothing but a comment\n\n", "holds no token"),
-        ("two words\n", "may not hold spaces"),
+        ("reader tok\x07en\n", "may not hold spaces or control characters"),
+        ("reader secret-token weight=heavy\n", "line 1: caller 'reader': weight must be a number"),
+        ("# callers\nreader secret-token colour=red\n", "line 2: caller 'reader': unknown option 'colour'"),
+        ("bad/name secret-token\n", "caller name 'bad/name' must be"),
         (None, "cannot read"),
     ],
 )
@@ -207,6 +215,7 @@ def test_unusable_token_files_are_refused_naming_the_flag(
         load_tokens(tokens_file, {})
     assert str(refused.value).startswith("--auth-tokens-file")
     assert message in str(refused.value)
+    assert "secret-token" not in str(refused.value)
 
 
 async def test_the_cli_sends_its_token(

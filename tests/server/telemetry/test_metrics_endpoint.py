@@ -49,7 +49,7 @@ async def test_histograms_and_counters_agree_with_the_response_timing(tiny_model
         # The response carries nanosecond Durations; the histogram the same float seconds.
         assert metrics.value(f"{name}_sum", **labels) == pytest.approx(expected, abs=2e-9), name
         assert metrics.value(f"{name}_bucket", le="+Inf", **labels) == 1, name
-    assert metrics.value("tokenwire_server_requests_total", **OK) == 1
+    assert metrics.value("tokenwire_server_requests_total", **OK, caller="anonymous") == 1
     assert metrics.value("tokenwire_server_prompt_tokens_total", **BY_MODEL) == result.prompt_tokens
     assert (
         metrics.value("tokenwire_server_generated_tokens_total", **BY_MODEL) == result.completion_tokens == 8
@@ -106,7 +106,13 @@ async def test_gauges_show_the_queue_and_the_running_batch(tiny_model_dir: Path)
     assert after.value("tokenwire_engine_queue_depth", **BY_MODEL) == 0
     assert after.value("tokenwire_engine_batch_size", **BY_MODEL) == 0
     assert (
-        after.value("tokenwire_server_requests_total", gen_ai_request_model=MODEL, outcome="cancelled") == 5
+        after.value(
+            "tokenwire_server_requests_total",
+            gen_ai_request_model=MODEL,
+            outcome="cancelled",
+            caller="anonymous",
+        )
+        == 5
     )
 
 
@@ -158,7 +164,9 @@ async def test_every_outcome_is_counted_once_where_it_happens(tiny_model_dir: Pa
     assert done.completion_tokens == 3
 
     def requests(outcome: str, model: str = MODEL) -> float:
-        return metrics.value("tokenwire_server_requests_total", gen_ai_request_model=model, outcome=outcome)
+        return metrics.value(
+            "tokenwire_server_requests_total", gen_ai_request_model=model, outcome=outcome, caller="anonymous"
+        )
 
     # The unknown model resolves to no served model: it is counted without one.
     assert requests("invalid") == 1 and requests("invalid", model="") == 1

@@ -19,6 +19,7 @@ from tokenwire.server.engine.engine import Engine
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.engine.types import EngineEvent
 from tokenwire.server.lifecycle import Lifecycle
+from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.server.telemetry.tracing import Metadata
 from tokenwire.v1 import inference_service_pb2 as pb
@@ -36,10 +37,17 @@ class Admitted:
 
 
 class Admission:
-    def __init__(self, registry: ModelRegistry, lifecycle: Lifecycle, telemetry: RequestTelemetry) -> None:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        lifecycle: Lifecycle,
+        telemetry: RequestTelemetry,
+        callers: CallerDirectory,
+    ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
         self._telemetry = telemetry
+        self._callers = callers
 
     def admit(
         self,
@@ -58,6 +66,8 @@ class Admission:
         an id that is not among them. Without it (a unary call) a missing id is made up.
         """
         record = self._telemetry.begin(method, metadata, received)
+        caller = self._callers.identify(metadata)
+        record.identified(caller.name)
 
         def observed(event: EngineEvent) -> None:
             record.observe(event)
@@ -84,7 +94,7 @@ class Admission:
                 )
             except GenerationError as error:
                 raise convert.request_error(error) from None
-            ticket = served.engine.submit(request, observed)
+            ticket = served.engine.submit(replace(request, caller=caller), observed)
         except GenerationError as error:
             record.refused(error)
             raise

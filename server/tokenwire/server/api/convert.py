@@ -11,6 +11,7 @@ from tokenwire.server.engine.types import (
     Failed,
     FinishReason,
     GenerationResult,
+    Priority,
     Started,
     TimingReport,
     TokenLogprobs,
@@ -21,6 +22,13 @@ from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat
 from tokenwire.server.text.chat import ChatTurn
 from tokenwire.v1 import inference_service_pb2 as pb
+
+_PRIORITIES = {
+    pb.PRIORITY_UNSPECIFIED: Priority.DEFAULT,
+    pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
+    pb.PRIORITY_DEFAULT: Priority.DEFAULT,
+    pb.PRIORITY_BATCH: Priority.BATCH,
+}
 
 _FINISH_REASONS = {
     FinishReason.LENGTH: pb.FINISH_REASON_LENGTH,
@@ -51,6 +59,7 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         timeout=_seconds(message.timeout) if message.HasField("timeout") else None,
+        priority=_PRIORITIES.get(message.priority),
         response_format=(
             response_format(message.response_format) if message.HasField("response_format") else None
         ),

@@ -17,6 +17,7 @@ from tokenwire.server.api.stream import StreamSession
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
 from tokenwire.server.lifecycle import Lifecycle
+from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
@@ -32,12 +33,13 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         *,
         clock: Callable[[], float] = time.monotonic,
         telemetry: RequestTelemetry | None = None,
+        callers: CallerDirectory | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
         self._clock = clock
         self._telemetry = telemetry or RequestTelemetry(clock=clock)
-        self._admission = Admission(registry, lifecycle, self._telemetry)
+        self._admission = Admission(registry, lifecycle, self._telemetry, callers or CallerDirectory())
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
         received = self._clock()

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.fair_queue import FairQueue
 from tokenwire.server.engine.format_cache import FormatCache, invalid_format
 from tokenwire.server.engine.observer import EngineObserver, NullObserver
 from tokenwire.server.engine.pacing import PrefillPacer, chunk_length
@@ -39,6 +40,7 @@ from tokenwire.server.engine.prefix_cache import PrefixCache, PrefixCacheStats
 from tokenwire.server.engine.sequence import Sequence, timing_report
 from tokenwire.server.engine.types import (
     AbortReason,
+    Caller,
     Completed,
     EngineEvent,
     EventSink,
@@ -46,6 +48,7 @@ from tokenwire.server.engine.types import (
     FinishReason,
     GenerationRequest,
     GenerationResult,
+    Priority,
     RequestTicket,
     Started,
     TerminalEvent,
@@ -84,6 +87,8 @@ class EngineConfig:
     """Memory for cached prompt prefixes' KV rows; 0 turns prefix caching off."""
     prefix_block_tokens: int = 16
     """Prompt tokens per prefix-cache block: prefixes are reused in whole blocks."""
+    batch_reserved_slots: int = 1
+    """Slots BATCH requests leave to the others (at most all slots but one)."""
 
 
 @dataclass
@@ -125,6 +130,14 @@ class _Waiting:
     def ready(self) -> bool:
         return self.response_format is None or self.response_format.done()
 
+    @property
+    def caller(self) -> Caller:
+        return self.request.caller
+
+    @property
+    def priority(self) -> Priority:
+        return self.request.priority
+
 
 @dataclass(frozen=True)
 class _Abort:
@@ -138,7 +151,7 @@ class _Abort:
 class _Inbox:
     """State shared between the event loop and the engine thread, guarded by the engine lock."""
 
-    waiting: deque[_Waiting] = field(default_factory=deque)
+    waiting: FairQueue[_Waiting] = field(default_factory=FairQueue)
     aborts: list[_Abort] = field(default_factory=list)
     live: set[int] = field(default_factory=set)
     decode_steps: int = 0
@@ -176,6 +189,7 @@ class Engine:
         self._masks = MaskWorkspace(runner.info.vocab_size, config.max_batch_size) if formats else None
         self._model = runner.info.name
         self._slots = min(config.max_batch_size, runner.capacity())
+        self._batch_reserved = max(0, min(config.batch_reserved_slots, self._slots - 1))
         self._lock = threading.Lock()
         self._wakeup = threading.Condition(self._lock)
         self._inbox = _Inbox()
@@ -238,21 +252,14 @@ class Engine:
                     "the model's engine has stopped; retry elsewhere",
                     reason="SHUTDOWN",
                 )
-            capacity = self._slots + self._config.max_queue_size
-            if len(self._inbox.live) >= capacity:
+            refusal = self._queue_refusal_locked(request.caller)
+            if refusal is not None:
                 self._inbox.rejected += 1
-                retry_after = self._retry_after_locked()
-                raise GenerationError(
-                    ErrorKind.RESOURCE_EXHAUSTED,
-                    f"work queue is full ({self._config.max_queue_size} waiting, {self._slots} running); "
-                    f"retry after {retry_after:.2f}s",
-                    retry_after=retry_after,
-                    reason="QUEUE_FULL",
-                )
+                raise refusal
             compiled = self._prepare_format(request)
             key = next(self._keys)
             position = len(self._inbox.waiting)
-            self._inbox.waiting.append(_Waiting(key, request, sink, compiled))
+            self._inbox.waiting.push(_Waiting(key, request, sink, compiled))
             self._inbox.live.add(key)
             if self._idle is not None:
                 self._idle.clear()
@@ -260,6 +267,44 @@ class Engine:
         if compiled is not None and not compiled.done():
             compiled.add_done_callback(self._format_ready)
         return RequestTicket(key=key, queue_position=position)
+
+    def _queue_refusal_locked(self, caller: Caller) -> GenerationError | None:
+        """Why a request of `caller` cannot queue now, or None when it can.
+
+        A caller with its own limit stops there. When the queue is full, a caller holding less
+        than its weighted share of it (among the callers queueing now) still gets in, so one
+        caller's flood cannot lock out the others; the queue may then run over its size by the
+        shares of those callers, and never beyond twice its size.
+        """
+        waiting = self._inbox.waiting
+        queued = waiting.queued_by(caller.name)
+        size = self._config.max_queue_size
+        reason = message = None
+        if caller.max_queued is not None and queued >= caller.max_queued:
+            reason = "CALLER_QUEUE_FULL"
+            message = f"caller {caller.name!r} already has {queued} requests waiting, its limit"
+        elif len(self._inbox.live) >= self._slots + size:
+            share = waiting.share(caller, size)
+            if queued < share and len(waiting) < 2 * size:
+                return None
+            if len(waiting) > queued:
+                reason = "CALLER_OVER_SHARE"
+                message = (
+                    f"caller {caller.name!r} holds {queued} of the {len(waiting)} waiting requests, "
+                    f"more than its share of {share:.1f}; other callers still get in"
+                )
+            else:
+                reason = "QUEUE_FULL"
+                message = f"work queue is full ({size} waiting, {self._slots} running)"
+        if reason is None or message is None:
+            return None
+        retry_after = self._retry_after_locked()
+        return GenerationError(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"{message}; retry after {retry_after:.2f}s",
+            retry_after=retry_after,
+            reason=reason,
+        )
 
     def _prepare_format(self, request: GenerationRequest) -> Future[CompiledFormat] | None:
         if request.response_format is None:
@@ -384,16 +429,25 @@ class Engine:
     def _admit(self) -> None:
         free = self._slots - len(self._prefilling) - len(self._decoding)
         admitted: list[_Waiting] = []
+        # BATCH requests leave `batch_reserved_slots` free for the others, so an INTERACTIVE
+        # request never waits behind BATCH work for more than the next round.
+        batch_room = (
+            self._slots
+            - self._batch_reserved
+            - sum(s.request.priority is Priority.BATCH for s in [*self._prefilling, *self._decoding.values()])
+        )
+
+        def allowed(entry: _Waiting) -> bool:
+            return entry.priority is not Priority.BATCH or batch_room > 0
+
         with self._lock:
-            compiling: list[_Waiting] = []
-            while free > 0 and self._inbox.waiting:
-                entry = self._inbox.waiting.popleft()
-                if entry.ready:
-                    admitted.append(entry)
-                    free -= 1
-                else:  # its format is still compiling: those behind it go first
-                    compiling.append(entry)
-            self._inbox.waiting.extendleft(reversed(compiling))
+            while free > 0:
+                found = self._inbox.waiting.pop(allowed)
+                if found is None:
+                    break
+                admitted.append(found)
+                free -= 1
+                batch_room -= found.priority is Priority.BATCH
         now = self._clock()
         info = self._runner.info
         for entry in admitted:
@@ -658,6 +712,7 @@ class Engine:
             prompt_tokens=len(live.request.prompt_ids),
             completion_tokens=completion_tokens,
             timing=timing,
+            caller=live.request.caller.name,
         )
         self._forget(live.key)
 
@@ -667,8 +722,7 @@ class Engine:
 
     def _fail_everything(self, error: GenerationError) -> None:
         with self._lock:
-            waiting = list(self._inbox.waiting)
-            self._inbox.waiting.clear()
+            waiting = self._inbox.waiting.clear()
             self._stopping = True  # the thread is gone: refuse what it would never serve
         now = self._clock()
         everything: list[Sequence | _Waiting] = [*self._prefilling, *self._decoding.values(), *waiting]

@@ -19,6 +19,7 @@ class EngineObserver(Protocol):
         prompt_tokens: int,
         completion_tokens: int,
         timing: TimingReport,
+        caller: str = "anonymous",
     ) -> None:
         """A request left the engine: ok, cancelled, deadline, unavailable or error."""
 
@@ -50,6 +51,7 @@ class NullObserver:
         prompt_tokens: int,
         completion_tokens: int,
         timing: TimingReport,
+        caller: str = "anonymous",
     ) -> None:
         return None
 

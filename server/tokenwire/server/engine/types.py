@@ -73,6 +73,29 @@ class AbortReason(Enum):
     """The server is stopping and could not finish it: it fails with UNAVAILABLE."""
 
 
+class Priority(Enum):
+    """How urgently a request wants a slot; lower values are admitted first."""
+
+    INTERACTIVE = 0
+    DEFAULT = 1
+    BATCH = 2
+
+
+@dataclass(frozen=True)
+class Caller:
+    """Who sent a request, as the server's token file names them (never the token itself)."""
+
+    name: str
+    weight: float = 1.0
+    """Share of the slots relative to other callers of the same priority."""
+    max_queued: int | None = None
+    """Most requests this caller may have waiting; None: only its fair share limits it."""
+
+
+ANONYMOUS = Caller("anonymous")
+"""The one caller of a server without authentication."""
+
+
 @dataclass(frozen=True)
 class StopConditions:
     max_new_tokens: int
@@ -95,6 +118,8 @@ class GenerationRequest:
     deadline: float | None = None
     response_format: ResponseFormat | None = None
     """What the output must match; None for free text."""
+    caller: Caller = ANONYMOUS
+    priority: Priority = Priority.DEFAULT
 
 
 @dataclass(frozen=True)

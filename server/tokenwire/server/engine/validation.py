@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenwire.server.engine.errors import FieldViolation, GenerationError
-from tokenwire.server.engine.types import GenerationRequest, StopConditions
+from tokenwire.server.engine.types import GenerationRequest, Priority, StopConditions
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat, SamplingParams
 from tokenwire.server.settings_schema import setting
@@ -74,6 +74,8 @@ class RequestSpec:
     timeout: float | None = None
     """Seconds, from the moment the request was received."""
     response_format: ResponseFormat | None = None
+    priority: Priority | None = Priority.DEFAULT
+    """None: a value this server does not know."""
 
 
 ChatPromptIds = Callable[[Sequence[ChatTurn]], list[int]]
@@ -112,6 +114,8 @@ class RequestValidator:
         violations += self._check_stopping(spec)
         violations += _check_logprobs(spec)
         violations += self._check_response_format(spec)
+        if spec.priority is None:
+            violations.append(FieldViolation("priority", "unknown value; use INTERACTIVE, DEFAULT or BATCH"))
         if spec.timeout is not None and not (math.isfinite(spec.timeout) and spec.timeout > 0):
             violations.append(FieldViolation("timeout", "must be a positive duration"))
         if violations:
@@ -142,6 +146,7 @@ class RequestValidator:
             top_logprobs=spec.top_logprobs,
             deadline=deadline,
             response_format=spec.response_format,
+            priority=spec.priority or Priority.DEFAULT,
         )
 
     def _check_response_format(self, spec: RequestSpec) -> list[FieldViolation]:

@@ -24,6 +24,8 @@ import grpc
 
 from tokenwire.server.api import errors
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.types import Caller
+from tokenwire.server.security.callers import TokenLineError, default_name, parse_token_line
 from tokenwire.server.telemetry.tracing import Metadata
 
 AUTH_TOKENS_ENV = "TOKENWIRE_AUTH_TOKENS"
@@ -48,26 +50,45 @@ class TokenFileError(ValueError):
 
 
 def load_tokens(path: Path | None, environ: Mapping[str, str] = os.environ) -> tuple[str, ...]:
-    """Tokens from `path` (one a line; blank lines and # comments skipped) and TOKENWIRE_AUTH_TOKENS.
+    """Tokens from `path` and TOKENWIRE_AUTH_TOKENS (see load_token_callers)."""
+    return tuple(token for token, _ in load_token_callers(path, environ))
 
-    Raises TokenFileError when the file cannot be read or holds no token.
+
+def load_token_callers(
+    path: Path | None, environ: Mapping[str, str] = os.environ
+) -> tuple[tuple[str, Caller], ...]:
+    """(token, caller) pairs from `path` and TOKENWIRE_AUTH_TOKENS (comma-separated plain tokens).
+
+    A file line is a token, or `NAME TOKEN [weight=W] [max_queued=N]` (security/callers.py);
+    blank lines and # comments are skipped. Raises TokenFileError when the file cannot be read,
+    holds no token or has a malformed line (named by its number, never by its token).
     """
-    tokens: list[str] = []
+    found: list[tuple[str, Caller]] = []
     if path is not None:
         try:
             lines = path.read_text(encoding="utf-8").splitlines()
         except (OSError, UnicodeDecodeError) as error:
             raise TokenFileError(f"--auth-tokens-file: cannot read {path}: {error}") from error
-        tokens += [line.strip() for line in lines if line.strip() and not line.strip().startswith("#")]
-        if not tokens:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip() or line.strip().startswith("#"):
+                continue
+            try:
+                found.append(parse_token_line(line))
+            except TokenLineError as error:
+                raise TokenFileError(f"--auth-tokens-file: {path} line {number}: {error}") from None
+        if not found:
             raise TokenFileError(f"--auth-tokens-file: {path} holds no token")
-    tokens += [part.strip() for part in environ.get(AUTH_TOKENS_ENV, "").split(",") if part.strip()]
-    for token in tokens:
+    found += [
+        (part.strip(), Caller(default_name(part.strip())))
+        for part in environ.get(AUTH_TOKENS_ENV, "").split(",")
+        if part.strip()
+    ]
+    for token, _ in found:
         if any(c.isspace() for c in token) or not token.isprintable():
             raise TokenFileError(
                 f"--auth-tokens-file / {AUTH_TOKENS_ENV}: a token may not hold spaces or control characters"
             )
-    return tuple(dict.fromkeys(tokens))
+    return tuple(dict(found).items())
 
 
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]

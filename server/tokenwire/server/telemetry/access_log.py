@@ -31,6 +31,7 @@ class AccessLog:
             "method": summary.method,
             "request_id": summary.request_id,
             "model": summary.model,
+            "caller": summary.caller,
             "outcome": summary.outcome.value,
             "code": summary.error_code or "OK",
             "reason": summary.error_reason,

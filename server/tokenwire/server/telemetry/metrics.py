@@ -40,6 +40,8 @@ PREFIX_CACHE_HIT_TOKENS = "tokenwire.engine.prefix_cache.hit_tokens"
 
 MODEL = "gen_ai.request.model"
 OUTCOME = "outcome"
+CALLER = "caller"
+"""The caller's name from the token file; never a token."""
 
 OUTCOMES = tuple(outcome.value for outcome in Outcome)
 """Every value of the outcome attribute: the engine's five plus the refusals of the API edge."""
@@ -210,10 +212,14 @@ class ServerMetrics:
         prompt_tokens: int,
         completion_tokens: int,
         timing: TimingReport,
+        caller: str = "anonymous",
     ) -> None:
         by_model = {MODEL: model}
         by_outcome = {MODEL: model, OUTCOME: outcome.value}
-        self._requests.add(1, by_outcome)
+        # Callers come from the token file (or are the one anonymous caller), so the label's
+        # values are few and known in advance. Request counts carry it; the latency histograms
+        # stay per model to keep their series few.
+        self._requests.add(1, {**by_outcome, CALLER: caller})
         self._request_duration.record(timing.total, by_outcome)
         self._queue_duration.record(timing.queued, by_model)
         if timing.time_to_first_token is not None:
@@ -241,9 +247,9 @@ class ServerMetrics:
 
     # -- API edge (event loop) ------------------------------------------------------------------
 
-    def request_refused(self, *, model: str, outcome: Outcome) -> None:
+    def request_refused(self, *, model: str, outcome: Outcome, caller: str = "anonymous") -> None:
         """A request that never reached the engine: rejected, invalid or unauthenticated."""
-        self._requests.add(1, {MODEL: model, OUTCOME: outcome.value})
+        self._requests.add(1, {MODEL: model, OUTCOME: outcome.value, CALLER: caller})
 
     # -- gauges (collector thread) --------------------------------------------------------------
 

@@ -63,6 +63,7 @@ class RequestRecord:
         self._received_wall_ns = time.time_ns() - round((owner.clock() - received) * 1e9)
         self._request_id = ""
         self._model = ""
+        self._caller = "anonymous"
         self._parameters: RequestParameters | None = None
         self._ended = not owner.enabled
 
@@ -78,6 +79,9 @@ class RequestRecord:
             top_k=spec.top_k,
             seed=spec.seed,
         )
+
+    def identified(self, caller: str) -> None:
+        self._caller = caller
 
     def resolved(self, model: str) -> None:
         self._model = model
@@ -97,7 +101,7 @@ class RequestRecord:
             return
         outcome = Outcome.of_refusal(error)
         if self._owner.metrics is not None:
-            self._owner.metrics.request_refused(model=self._model, outcome=outcome)
+            self._owner.metrics.request_refused(model=self._model, outcome=outcome, caller=self._caller)
         self._emit(
             RequestSummary(
                 method=self._method,
@@ -109,6 +113,7 @@ class RequestRecord:
                 error_code=error.kind.name,
                 error_reason=error.reason,
                 error_message=error.message,
+                caller=self._caller,
             )
         )
 
@@ -125,6 +130,7 @@ class RequestRecord:
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             cached_prompt_tokens=result.cached_prompt_tokens,
+            caller=self._caller,
         )
 
     def _failed(self, event: Failed) -> RequestSummary:
@@ -141,6 +147,7 @@ class RequestRecord:
             error_code=error.kind.name,
             error_reason=error.reason,
             error_message=error.message,
+            caller=self._caller,
         )
 
     def _emit(self, summary: RequestSummary) -> None:

@@ -56,3 +56,5 @@ class RequestSummary:
     error_reason: str | None = None
     """The machine-readable reason (e.g. QUEUE_FULL) when the request failed."""
     error_message: str | None = None
+    caller: str = "anonymous"
+    """Who sent the request, as the token file names them (never the token)."""

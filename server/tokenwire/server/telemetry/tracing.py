@@ -103,6 +103,7 @@ def _attributes(summary: RequestSummary) -> dict[str, AttributeValue]:
         "rpc.service": RPC_SERVICE,
         "rpc.method": summary.method,
         "tokenwire.outcome": summary.outcome.value,
+        "tokenwire.caller": summary.caller,
     }
     if summary.request_id:
         attributes["tokenwire.request_id"] = summary.request_id

@@ -1,0 +1,141 @@
+"""The queue of requests waiting for a slot: by priority, then fairly between callers.
+
+A higher priority is always served first. Within a priority, callers take turns in proportion
+to their weights (weighted fair queueing with one unit of cost per request, kept as stride
+scheduling: each caller has a virtual pass that grows by 1/weight per request admitted, and the
+caller with the lowest pass goes next). A caller that starts queueing joins at the current
+virtual time, so being idle earns no credit to flood with later. Within a caller, requests keep
+their order, except that a request that is not ready yet (its response format still compiling)
+lets the caller's next ready one go first.
+
+Also answers what admission control asks: how many requests a caller has queued and what its
+weighted share of the queue is among the callers queueing now.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar
+
+from tokenwire.server.engine.types import Caller, Priority
+
+
+class Queued(Protocol):
+    @property
+    def caller(self) -> Caller: ...
+
+    @property
+    def priority(self) -> Priority: ...
+
+    @property
+    def ready(self) -> bool: ...
+
+
+E = TypeVar("E", bound=Queued)
+
+
+@dataclass
+class _Level(Generic[E]):
+    """One priority's callers, each with its own queue and pass."""
+
+    queues: dict[str, deque[E]] = field(default_factory=dict)
+    passes: dict[str, float] = field(default_factory=dict)
+    virtual_time: float = 0.0
+
+
+class FairQueue(Generic[E]):
+    def __init__(self) -> None:
+        # Most urgent first: Priority values are ordered that way.
+        self._levels: dict[Priority, _Level[E]] = {
+            p: _Level() for p in sorted(Priority, key=lambda p: p.value)
+        }
+        self._weights: dict[str, float] = {}
+        self._queued: dict[str, int] = {}
+        self._size = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bool__(self) -> bool:
+        return self._size > 0
+
+    def __iter__(self) -> Iterator[E]:
+        for level in self._levels.values():
+            for queue in level.queues.values():
+                yield from queue
+
+    def push(self, entry: E) -> None:
+        level = self._levels[entry.priority]
+        name = entry.caller.name
+        queue = level.queues.get(name)
+        if queue is None:
+            queue = level.queues[name] = deque()
+            level.passes[name] = level.virtual_time
+        queue.append(entry)
+        self._weights[name] = entry.caller.weight
+        self._queued[name] = self._queued.get(name, 0) + 1
+        self._size += 1
+
+    def pop(self, allowed: Callable[[E], bool] = lambda _: True) -> E | None:
+        """The next ready entry that `allowed` accepts: most urgent priority first, then the
+        caller with the lowest pass. None when no entry qualifies."""
+        for level in self._levels.values():
+            best: tuple[float, str, E] | None = None
+            for name, queue in level.queues.items():
+                if best is not None and level.passes[name] >= best[0]:
+                    continue
+                entry = next((e for e in queue if e.ready and allowed(e)), None)
+                if entry is not None:
+                    best = (level.passes[name], name, entry)
+            if best is not None:
+                pass_, name, entry = best
+                level.virtual_time = pass_
+                level.passes[name] = pass_ + 1.0 / max(entry.caller.weight, 1e-6)
+                self._discard(level, name, entry)
+                return entry
+        return None
+
+    def remove(self, entry: E) -> None:
+        level = self._levels[entry.priority]
+        queue = level.queues.get(entry.caller.name)
+        if queue is None or entry not in queue:
+            raise ValueError("entry is not queued")
+        self._discard(level, entry.caller.name, entry)
+
+    def clear(self) -> list[E]:
+        everything = list(self)
+        for level in self._levels.values():
+            level.queues.clear()
+            level.passes.clear()
+            level.virtual_time = 0.0
+        self._weights.clear()
+        self._queued.clear()
+        self._size = 0
+        return everything
+
+    def queued_by(self, caller: str) -> int:
+        return self._queued.get(caller, 0)
+
+    def share(self, caller: Caller, capacity: int) -> float:
+        """`caller`'s weighted part of `capacity` among the callers queueing now and itself."""
+        weights = dict(self._weights)
+        weights[caller.name] = caller.weight
+        total = sum(weights.values())
+        return capacity * caller.weight / total if total > 0 else float(capacity)
+
+    def _discard(self, level: _Level[E], name: str, entry: E) -> None:
+        queue = level.queues[name]
+        queue.remove(entry)
+        if not queue:
+            # An idle caller keeps no pass: it rejoins at the virtual time of its return.
+            del level.queues[name]
+            del level.passes[name]
+        left = self._queued[name] - 1
+        if left:
+            self._queued[name] = left
+        else:
+            del self._queued[name]
+            del self._weights[name]
+        self._size -= 1
