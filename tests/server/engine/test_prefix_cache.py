@@ -113,3 +113,51 @@ def test_hit_rate_counts_prompt_tokens_found_in_the_cache() -> None:
     stats = cache.stats()
     assert (stats.lookups, stats.prompt_tokens, stats.hit_tokens) == (2, 24, 8)
     assert stats.hit_rate == 8 / 24
+
+
+def store_with_tail(cache: PrefixCache, prompt: list[int]) -> None:
+    """A whole prompt's bookkeeping: its full blocks, then its partial last block."""
+    lease = cache.lookup(prompt, limit=len(prompt))
+    missing = len(prompt) // BLOCK - len(lease.blocks)
+    cache.extend(lease, prompt, [kv(100 + i) for i in range(missing)])
+    if len(prompt) % BLOCK:
+        cache.add_tail(lease, prompt, kv(900))
+    cache.release(lease)
+
+
+def test_a_prompt_that_continues_a_cached_one_finds_it_to_the_last_token() -> None:
+    cache = cache_with(16)
+    store_with_tail(cache, [1, 2, 3, 4, 5, 6])  # one block and a two-token tail
+    turn = cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9], limit=100)
+    assert turn.tokens == 6
+    assert [int(b[0]) for b in turn.kv()] == [100, 900]
+
+
+def test_a_tail_is_found_only_when_the_prompt_has_all_its_tokens() -> None:
+    cache = cache_with(16)
+    store_with_tail(cache, [1, 2, 3, 4, 5, 6, 7])
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 0, 0], limit=100).tokens == 4
+    assert cache.lookup([1, 2, 3, 4, 5, 6, 7, 0], limit=6).tokens == 4  # the limit cuts the tail
+
+
+def test_full_blocks_cached_after_a_tail_take_its_place_in_the_lease() -> None:
+    cache = cache_with(16)
+    store_with_tail(cache, [1, 2, 3, 4, 5, 6])
+    lease = cache.lookup([1, 2, 3, 4, 5, 6, 7, 8, 9], limit=100)
+    assert cache.extend(lease, [1, 2, 3, 4, 5, 6, 7, 8, 9], [kv(2)]) == 1
+    assert lease.tail is None and lease.tokens == 8
+    cache.release(lease)
+    # Nothing is held now: every block, the tail included, makes way for new prefixes.
+    for start in range(16):
+        assert store(cache, [start + 50] * 4) == 1
+    assert cache.lookup([1, 2, 3, 4, 5, 6], limit=100).tokens == 0
+
+
+def test_a_held_tail_is_never_evicted() -> None:
+    cache = cache_with(2)
+    store_with_tail(cache, [1, 2, 3, 4, 5])
+    held = cache.lookup([1, 2, 3, 4, 5, 6, 7], limit=100)
+    assert held.tokens == 5
+    assert store(cache, [9] * 8) == 0  # both places hold the leased block and tail
+    cache.release(held)
+    assert store(cache, [9] * 8) == 2

@@ -515,6 +515,8 @@ class Engine:
             sequence.prefilled += len(chunk)
             if self._prefix_cache is not None:
                 self._cache_prompt_blocks(sequence, self._prefix_cache)
+                if sequence.prefill_done:
+                    self._cache_prompt_tail(sequence, self._prefix_cache)
                 now = self._clock()
             # The prompt's own work: its model call and its cache copies, in and out.
             sequence.prefill_seconds += now - own_work_began
@@ -565,6 +567,22 @@ class Engine:
             return
         if cache.extend(lease, sequence.prompt_ids, blocks) < len(blocks):
             sequence.prefix_cache_full = True  # the rest would not fit either
+
+    def _cache_prompt_tail(self, sequence: Sequence, cache: PrefixCache) -> None:
+        """Copy the prompt's last, partial block into the prefix cache, for a chat's next turn."""
+        lease = sequence.prefix_lease
+        size = cache.block_tokens
+        length = len(sequence.prompt_ids)
+        if lease is None or sequence.prefix_cache_full or length % size == 0:
+            return
+        if len(lease.blocks) != length // size:
+            return
+        try:
+            rows = _rows(self._runner).read_kv(sequence.key, length // size * size, length)
+        except Exception:
+            log.exception("caching the prompt of request %s failed", sequence.request.request_id)
+            return
+        cache.add_tail(lease, sequence.prompt_ids, rows)
 
     def _run_decode(self) -> None:
         rows = [s for s in self._decoding.values() if s.output_ids]

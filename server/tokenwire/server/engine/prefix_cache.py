@@ -7,6 +7,10 @@ blocks found from the start. The key holds the tokens themselves (not a hash of 
 different prefixes can never share an entry. The chains form a tree of prefixes, like SGLang's
 radix tree, at block granularity.
 
+A prompt's last, partial block is cached too, as a tail that nothing extends: a chat's next turn
+resends the whole previous prompt, so it finds that prompt to the last token, not just to its
+last full block.
+
 What a block holds is opaque here: the runner's KV rows for those positions, copied out of a
 sequence's slot after its prefill and copied back into a new sequence's slot instead of a
 prefill. Memory is bounded: when a new block does not fit, the least recently used block that
@@ -36,21 +40,31 @@ class _Block:
     leases: int = 0
     children: int = 0
 
+    @property
+    def tokens(self) -> int:
+        return len(self.key[1])
+
 
 @dataclass(eq=False)
 class PrefixLease:
     """The cached blocks at the start of one request's prompt; they stay cached while it runs."""
 
     blocks: list[_Block] = field(default_factory=list)
+    """Full blocks, from the start of the prompt."""
     block_tokens: int = 0
+    tail: _Block | None = None
+    """A partial block after the full ones, when the lookup found one."""
 
     @property
     def tokens(self) -> int:
-        return len(self.blocks) * self.block_tokens
+        return len(self.blocks) * self.block_tokens + (self.tail.tokens if self.tail is not None else 0)
 
     def kv(self) -> list[np.ndarray]:
         """The blocks' KV rows, in prompt order."""
-        return [block.kv for block in self.blocks]
+        return [block.kv for block in self._held()]
+
+    def _held(self) -> list[_Block]:
+        return [*self.blocks, self.tail] if self.tail is not None else list(self.blocks)
 
 
 @dataclass(frozen=True)
@@ -109,16 +123,23 @@ class PrefixCache:
         """Lease the longest cached prefix of `prompt` that is at most `limit` tokens long."""
         lease = PrefixLease(block_tokens=self._block_tokens)
         size = self._block_tokens
+        usable = min(limit, len(prompt))
         parent: _Block | None = None
-        for start in range(0, min(limit, len(prompt)) - size + 1, size):
+        for start in range(0, usable - size + 1, size):
             block = self._by_key.get((_id(parent), tuple(prompt[start : start + size])))
             if block is None:
                 break
             lease.blocks.append(block)
             parent = block
-        for block in lease.blocks:
+        start = len(lease.blocks) * size
+        for length in range(min(size - 1, usable - start), 0, -1):
+            lease.tail = self._by_key.get((_id(parent), tuple(prompt[start : start + length])))
+            if lease.tail is not None:
+                break
+        held = lease._held()
+        for block in held:
             block.leases += 1
-        self._touch(lease.blocks)
+        self._touch(held)
         self._lookups += 1
         self._prompt_tokens += len(prompt)
         self._hit_tokens += lease.tokens
@@ -133,8 +154,12 @@ class PrefixCache:
         """
         size = self._block_tokens
         added = 0
+        if kv_blocks and lease.tail is not None:
+            # Full blocks now cover the tail's tokens: the lease needs it no more.
+            lease.tail.leases -= 1
+            lease.tail = None
         for kv in kv_blocks:
-            start = lease.tokens
+            start = len(lease.blocks) * size
             tokens = tuple(prompt[start : start + size])
             if len(tokens) < size:
                 break
@@ -151,14 +176,34 @@ class PrefixCache:
             block.leases += 1
             lease.blocks.append(block)
             added += 1
-        self._touch(lease.blocks)
+        self._touch(lease._held())
         return added
+
+    def add_tail(self, lease: PrefixLease, prompt: Sequence[int], kv: np.ndarray) -> bool:
+        """Cache the prompt's last, partial block, after the lease's full blocks (which must be all
+        of the prompt's); False when it is already cached or does not fit."""
+        start = len(lease.blocks) * self._block_tokens
+        tokens = tuple(prompt[start:])
+        if not 0 < len(tokens) < self._block_tokens:
+            raise ValueError(f"a tail holds 1 to {self._block_tokens - 1} tokens, not {len(tokens)}")
+        parent = lease.blocks[-1] if lease.blocks else None
+        key = (_id(parent), tokens)
+        if key in self._by_key or not self._make_room(kv.nbytes):
+            return False
+        block = _Block(key=key, id=next(self._ids), parent=parent, kv=kv)
+        self._by_key[key] = block
+        self._bytes += kv.nbytes
+        if parent is not None:
+            parent.children += 1
+        self._touch([*lease._held(), block])
+        return True
 
     def release(self, lease: PrefixLease) -> None:
         """The request is done with its prefix: its blocks may be evicted again."""
-        for block in lease.blocks:
+        for block in lease._held():
             block.leases -= 1
         lease.blocks = []
+        lease.tail = None
 
     # -- internals -------------------------------------------------------------------------------
 
