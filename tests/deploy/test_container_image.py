@@ -4,12 +4,15 @@ The container runs as its non-root user on a read-only root file system with no 
 scratch space at all (no tmpfs), every capability dropped and no privilege escalation, the way
 the Kubernetes manifests run it; a tiny model built by the project is mounted read-only. It must
 report SERVING, stream a generation through the client library, and on SIGTERM drain: turn
-NOT_SERVING, let the live generation finish, log the drain and exit 0.
+NOT_SERVING, let the live generation finish, log the drain and exit 0. Built with the default
+model baked in (slow: it pulls the real model during the build), it must serve that model with
+nothing mounted.
 """
 
 from __future__ import annotations
 
 import json
+import subprocess
 import threading
 import time
 import uuid
@@ -24,6 +27,7 @@ from tests.support.containers import Podman, build_image, ensure_base_image, req
 from tokenwire.client import Chunk, Client, Completed, GenerateOptions, Sampling, Stopping
 from tokenwire.client.types import FinishReason
 from tokenwire.server.api.handlers import SERVICE_NAME
+from tokenwire.server.model_tools.pull import DEFAULT_MODEL
 from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 
 # Building the base and the image from scratch takes minutes; later runs reuse both.
@@ -35,13 +39,22 @@ LONG = GenerateOptions(
     sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=1000, ignore_eos=True)
 )
 """Long enough that SIGTERM lands while it is still generating."""
+SHORT = GenerateOptions(
+    sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=8, ignore_eos=True)
+)
 
 
 @pytest.fixture(scope="module")
-def image(tmp_path_factory: pytest.TempPathFactory) -> tuple[Podman, str]:
+def podman_and_base(tmp_path_factory: pytest.TempPathFactory) -> tuple[Podman, str]:
     require_tools()
     podman = Podman.create(tmp_path_factory.mktemp("podman"))
-    return podman, build_image(podman, ensure_base_image(podman))
+    return podman, ensure_base_image(podman)
+
+
+@pytest.fixture(scope="module")
+def image(podman_and_base: tuple[Podman, str]) -> tuple[Podman, str]:
+    podman, base = podman_and_base
+    return podman, build_image(podman, base)
 
 
 @pytest.fixture(scope="module")
@@ -108,9 +121,11 @@ def test_image_runs_as_its_own_user_with_the_cache_on_a_volume(image: tuple[Podm
     assert environment["TOKENWIRE_MODEL"] == ""
 
 
-def test_container_serves_streams_and_drains_on_sigterm(image: tuple[Podman, str], model_dir: Path) -> None:
-    podman, reference = image
-    name = f"tokenwire-test-{uuid.uuid4().hex[:12]}"
+def start_container(
+    podman: Podman, reference: str, name: str, *options: str
+) -> tuple[subprocess.Popen[str], ContainerOutput]:
+    """Run the image as the manifests do: read-only root with no tmpfs, no capabilities, no
+    privilege escalation; on the host's network but on loopback, with free ports."""
     process = podman.popen(
         "run",
         "--rm",
@@ -124,8 +139,6 @@ def test_container_serves_streams_and_drains_on_sigterm(image: tuple[Podman, str
         "ALL",
         "--security-opt",
         "no-new-privileges",
-        "--volume",
-        f"{model_dir}:/models/tiny:ro",
         # Loopback only on the host's network; the image's own default is 0.0.0.0.
         "--env",
         "TOKENWIRE_HOST=127.0.0.1",
@@ -134,15 +147,28 @@ def test_container_serves_streams_and_drains_on_sigterm(image: tuple[Podman, str
         "--env",
         "TOKENWIRE_METRICS_PORT=0",
         "--env",
-        "TOKENWIRE_MODEL=/models/tiny",
-        "--env",
         "TOKENWIRE_INTRA_OP_THREADS=1",
-        "--env",
-        "TOKENWIRE_DRAIN_TIMEOUT=120",
+        *options,
         reference,
     )
     assert process.stdout is not None
-    output = ContainerOutput(iter(process.stdout))
+    return process, ContainerOutput(iter(process.stdout))
+
+
+def test_container_serves_streams_and_drains_on_sigterm(image: tuple[Podman, str], model_dir: Path) -> None:
+    podman, reference = image
+    name = f"tokenwire-test-{uuid.uuid4().hex[:12]}"
+    process, output = start_container(
+        podman,
+        reference,
+        name,
+        "--volume",
+        f"{model_dir}:/models/tiny:ro",
+        "--env",
+        "TOKENWIRE_MODEL=/models/tiny",
+        "--env",
+        "TOKENWIRE_DRAIN_TIMEOUT=120",
+    )
     try:
         port = int(output.wait_for("tokenwire: serving on", timeout=300).rsplit(":", 1)[1])
         target = f"127.0.0.1:{port}"
@@ -174,3 +200,25 @@ def test_container_serves_streams_and_drains_on_sigterm(image: tuple[Podman, str
     finished = output.index("request_id=drained")
     assert draining < finished < output.index("tokenwire.server.main: stopped"), "\n".join(output.lines)
     assert "outcome=ok" in output.lines[finished]
+
+
+@pytest.mark.slow
+def test_image_with_the_default_model_baked_in_serves_it(podman_and_base: tuple[Podman, str]) -> None:
+    podman, base = podman_and_base
+    reference = build_image(podman, base, tag="baked", build_args=[f"BAKE_MODEL={DEFAULT_MODEL}"])
+    environment = dict(item.split("=", 1) for item in json.loads(podman.image_config(reference, "Env")))
+    assert environment["TOKENWIRE_MODEL"] == f"/opt/tokenwire-models/{DEFAULT_MODEL}"
+    name = f"tokenwire-test-{uuid.uuid4().hex[:12]}"
+    process, output = start_container(podman, reference, name)
+    try:
+        port = int(output.wait_for("tokenwire: serving on", timeout=600).rsplit(":", 1)[1])
+        with Client(f"127.0.0.1:{port}") as client:
+            assert [model.name for model in client.list_models()] == [DEFAULT_MODEL]
+            generation = client.generate("The capital of France is", SHORT, deadline=120)
+        assert generation.completion_tokens == SHORT.stopping.max_new_tokens
+        podman.run("kill", "--signal", "TERM", name)
+        assert process.wait(timeout=180) == 0
+    finally:
+        podman.run("rm", "--force", "--ignore", name, check=False)
+        process.wait(timeout=60)
+        output.close()

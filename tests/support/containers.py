@@ -34,7 +34,7 @@ BASE_PACKAGES = ("python3", "python3-venv", "ca-certificates")
 CA_BUNDLE = Path("/etc/ssl/certs/ca-certificates.crt")
 """Debian's system CA bundle, which pip inside the build needs to trust the package index."""
 CONTAINERS_CONF = "[containers]\ndefault_ulimits = []\n"
-IMAGE = "localhost/tokenwire-test:latest"
+IMAGE = "localhost/tokenwire-test"
 
 
 def require_tools() -> None:
@@ -152,9 +152,13 @@ def _pip_config(key: str) -> str:
     return result.stdout.strip() if result.returncode == 0 else ""
 
 
-def build_image(podman: Podman, base: str, *, extra_args: Sequence[str] = ()) -> str:
-    """Build deploy/Containerfile on `base` as IMAGE; the image it replaces is removed."""
-    previous = podman.image_id(IMAGE)
+def build_image(podman: Podman, base: str, *, tag: str = "latest", build_args: Sequence[str] = ()) -> str:
+    """Build deploy/Containerfile on `base` as IMAGE:tag; the image it replaces is removed.
+
+    `build_args` are NAME=VALUE pairs for the Containerfile's build arguments.
+    """
+    reference = f"{IMAGE}:{tag}"
+    previous = podman.image_id(reference)
     secret = ["--secret", f"id=pip-cert,src={CA_BUNDLE}"] if CA_BUNDLE.is_file() else []
     podman.run(
         "build",
@@ -165,14 +169,14 @@ def build_image(podman: Podman, base: str, *, extra_args: Sequence[str] = ()) ->
         "--build-arg",
         f"BASE_IMAGE={base}",
         *pip_index_build_args(),
+        *(part for pair in build_args for part in ("--build-arg", pair)),
         *secret,
-        *extra_args,
         "--tag",
-        IMAGE,
+        reference,
         str(REPOSITORY),
         timeout=1800,
     )
-    current = podman.image_id(IMAGE)
+    current = podman.image_id(reference)
     if previous is not None and previous != current:
         podman.run("image", "rm", previous, check=False)
-    return IMAGE
+    return reference
