@@ -64,3 +64,14 @@ async def test_reflection_lists_and_describes_the_service(server: TokenwireServe
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
     assert package == "tokenwire.v1"
     assert methods == {"Generate", "StreamGenerate", "ListModels"}
+
+
+async def test_reflection_describes_every_service_it_lists_orca_s_included(server: TokenwireServer) -> None:
+    def describe_all() -> dict[str, str]:
+        with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+            database = ProtoReflectionDescriptorDatabase(channel)
+            return {name: database.FindFileContainingSymbol(name).package for name in database.get_services()}
+
+    packages = await asyncio.to_thread(describe_all)
+    assert packages["xds.service.orca.v3.OpenRcaService"] == "xds.service.orca.v3"
+    assert packages[SERVICE_NAME] == "tokenwire.v1"

@@ -9,12 +9,12 @@ from collections.abc import Callable
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from tokenwire.server.api.chat import chat_prompts
 from tokenwire.server.api.handlers import SERVICE_NAME, add_inference_service
 from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaService, add_orca_service
+from tokenwire.server.api.reflection import enable_reflection
 from tokenwire.server.api.registry import ModelRegistry, ServedModel
 from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.config import ServerSettings
@@ -141,14 +141,13 @@ class TokenwireServer:
             OrcaService(self.load_tracker, min_interval=settings.load_report_min_interval), server
         )
         if settings.reflection:
-            reflection.enable_server_reflection(
+            enable_reflection(
+                server,
                 (
                     SERVICE_NAME,
                     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                     ORCA_SERVICE,
-                    reflection.SERVICE_NAME,
                 ),
-                server,
             )
         address = f"{settings.host}:{settings.port}"
         try:

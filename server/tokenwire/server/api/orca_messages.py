@@ -86,15 +86,17 @@ def _service_file() -> descriptor_pb2.FileDescriptorProto:
     return file
 
 
-def _build() -> tuple[Any, Any]:
+def _build() -> tuple[Any, Any, Any]:
     pool = descriptor_pool.DescriptorPool()
     pool.AddSerializedFile(duration_pb2.DESCRIPTOR.serialized_pb)
     pool.Add(_load_report_file())
     pool.Add(_service_file())
     return (
+        pool,
         message_factory.GetMessageClass(pool.FindMessageTypeByName(LOAD_REPORT_NAME)),
         message_factory.GetMessageClass(pool.FindMessageTypeByName(REQUEST_NAME)),
     )
 
 
-OrcaLoadReport, OrcaLoadReportRequest = _build()
+POOL, OrcaLoadReport, OrcaLoadReportRequest = _build()
+"""`POOL` holds the two ORCA files; server reflection describes the ORCA service from it."""
