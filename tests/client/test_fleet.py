@@ -21,6 +21,7 @@ from tokenwire.server.load import LoadSnapshot
 
 OPTIONS = greedy(2)
 ROUND_ROBIN = Routing(policy="round_robin")
+MAX_CALLS = 100
 
 
 async def served_by(client: AsyncClient, count: int) -> Counter[str]:
@@ -31,18 +32,35 @@ async def served_by(client: AsyncClient, count: int) -> Counter[str]:
     return served
 
 
+async def served_until(client: AsyncClient, replicas: set[str], *, unary: bool = False) -> Counter[str]:
+    """Run generations one after another until each of `replicas` served one, or MAX_CALLS ran.
+
+    Replicas join the rotation as their connections (and first health answers) come in, so a
+    fixed handful of calls could all land before the last one is ready on a busy machine.
+    """
+    served: Counter[str] = Counter()
+    for _ in range(MAX_CALLS):
+        if unary:
+            served[(await client.generate("Hi", OPTIONS)).model] += 1
+        else:
+            served += await served_by(client, 1)
+        if replicas <= set(served):
+            break
+    return served
+
+
 async def test_round_robin_spreads_generations_over_every_replica(tiny_model_dir: Path) -> None:
     async with (
         fleet(tiny_model_dir) as servers,
         AsyncClient(fleet_target(servers), routing=ROUND_ROBIN) as client,
     ):
-        streamed = await served_by(client, 12)
-        unary: Counter[str] = Counter()
-        for _ in range(12):
-            unary[(await client.generate("Hi", OPTIONS)).model] += 1
-    # Replicas join the rotation as their connections become ready; each gets a share soon.
+        streamed = await served_until(client, {"r1", "r2", "r3"})
+        unary = await served_until(client, {"r1", "r2", "r3"}, unary=True)
+        # Once all are in the rotation, round robin gives each its turn.
+        rotation = await served_by(client, 9)
     assert set(streamed) == {"r1", "r2", "r3"}, streamed
     assert set(unary) == {"r1", "r2", "r3"}, unary
+    assert rotation == Counter({"r1": 3, "r2": 3, "r3": 3}), rotation
 
 
 async def test_a_long_lived_stream_keeps_every_generation_on_one_replica(tiny_model_dir: Path) -> None:
@@ -67,16 +85,12 @@ async def test_a_replica_reporting_not_serving_gets_no_new_calls_until_it_serves
         async with AsyncClient(fleet_target(servers), routing=ROUND_ROBIN) as client:
             while_out = await served_by(client, 12)
             await servers[1].health.servicer.set(SERVICE_NAME, SERVING)
-            back: Counter[str] = Counter()
-            for _ in range(60):  # the health watch brings it back within a few calls
-                back += await served_by(client, 1)
-                if back["r2"]:
-                    break
+            back = await served_until(client, {"r2"})  # the health watch brings it back
         async with AsyncClient(
             fleet_target(servers), routing=Routing(policy="round_robin", health_checks=False)
         ) as unchecked:
             await servers[1].health.servicer.set(SERVICE_NAME, NOT_SERVING)
-            without_checks = await served_by(unchecked, 12)
+            without_checks = await served_until(unchecked, {"r2"})
     assert while_out["r2"] == 0 and sum(while_out.values()) == 12, while_out
     assert back["r2"] >= 1, back
     assert without_checks["r2"] >= 1, without_checks  # the check, not chance, kept it out
