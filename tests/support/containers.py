@@ -124,13 +124,14 @@ def ensure_base_image(podman: Podman) -> str:
     return reference
 
 
-def pip_index_build_args(environ: Mapping[str, str] = os.environ) -> list[str]:
-    """This machine's pip index settings as build arguments for the Containerfile.
+def pip_index_settings(environ: Mapping[str, str] = os.environ) -> dict[str, str]:
+    """This machine's pip index settings, as PIP_* variables (the Containerfile's build arguments
+    have the same names).
 
-    Only network indexes are handed over: file:// locations exist on this machine, not in the
-    build container.
+    Only network indexes are handed over: file:// locations exist on this machine, not in a
+    container.
     """
-    args: list[str] = []
+    settings: dict[str, str] = {}
     for key, variable in (
         ("global.index-url", "PIP_INDEX_URL"),
         ("global.extra-index-url", "PIP_EXTRA_INDEX_URL"),
@@ -139,8 +140,22 @@ def pip_index_build_args(environ: Mapping[str, str] = os.environ) -> list[str]:
         value = environ.get(variable) or _pip_config(key)
         kept = " ".join(part for part in value.split() if not part.startswith("file:"))
         if kept:
-            args += ["--build-arg", f"{variable}={kept}"]
-    return args
+            settings[variable] = kept
+    return settings
+
+
+def pip_index_build_args() -> list[str]:
+    return [
+        part for name, value in pip_index_settings().items() for part in ("--build-arg", f"{name}={value}")
+    ]
+
+
+def pip_index_run_options() -> list[str]:
+    """`podman run` options that let pip inside the container reach the index as it does here."""
+    options = [part for name, value in pip_index_settings().items() for part in ("--env", f"{name}={value}")]
+    if CA_BUNDLE.is_file():
+        options += ["--volume", f"{CA_BUNDLE}:/run/pip-cert.crt:ro", "--env", "PIP_CERT=/run/pip-cert.crt"]
+    return options
 
 
 def _pip_config(key: str) -> str:
