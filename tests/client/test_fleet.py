@@ -22,6 +22,9 @@ from tokenwire.server.load import LoadSnapshot
 OPTIONS = greedy(2)
 ROUND_ROBIN = Routing(policy="round_robin")
 MAX_CALLS = 100
+WEIGHTS_BOUND = 30.0
+"""Seconds of batches to wait for the weights to apply: reports arrive a second apart, so this
+is a generous bound on how long a working balancer takes, not a speed being measured."""
 
 
 async def served_by(client: AsyncClient, count: int) -> Counter[str]:
@@ -127,7 +130,8 @@ async def test_weighted_round_robin_sends_few_calls_to_a_replica_reporting_heavy
         fleet(tiny_model_dir, prepare=fixed_load) as servers,
         AsyncClient(fleet_target(servers), routing=routing) as client,
     ):
-        for _ in range(20):
+        give_up = asyncio.get_running_loop().time() + WEIGHTS_BOUND
+        while asyncio.get_running_loop().time() < give_up:
             results = await asyncio.gather(*(client.generate("Hi", greedy(1)) for _ in range(30)))
             batches.append(Counter(result.model for result in results))
             if weighed(batches[-1]):
