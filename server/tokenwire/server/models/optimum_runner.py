@@ -17,6 +17,7 @@ sequence joining after its prefill or leaving, brings the cache to the host to b
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,8 @@ import onnxruntime as ort
 
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
 from tokenwire.server.models.session import FLOAT_TENSOR_TYPES, run_bound
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -90,6 +93,12 @@ class OptimumRunner:
         self._prefilling: dict[int, _Prefilling] = {}
         # One batch when the graph takes position_ids; otherwise one per sequence length.
         self._batches: list[_Batch] = []
+        if not self._layout.has_position_ids:
+            log.warning(
+                "%s has no position_ids input: sequences of different lengths decode in separate "
+                "model calls, since padding would shift their positions",
+                info.name,
+            )
 
     @property
     def info(self) -> ModelInfo:
