@@ -41,6 +41,7 @@ from tokenwire.client import (
     StreamEvent,
     TokenwireError,
 )
+from tokenwire.server.api.stream_limits import StreamLimits
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.models.loader import LoadedModel
 from tokenwire.server.models.runner import ModelInfo, ModelRunner
@@ -366,7 +367,10 @@ async def test_failing_model_steps_fail_only_their_requests_and_the_stream_stays
         runner = FaultyRunner(model.runner, failing_prefills={3}, failing_decodes={2})
         return gated(gate)(replace(model, runner=runner))  # type: ignore[no-any-return]
 
-    server = await start_server(wrap_model=faulty, max_batch_size=4, max_queue_size=8)
+    # One stream queues six behind the held step on purpose.
+    server = await start_server(
+        wrap_model=faulty, max_batch_size=4, max_queue_size=8, stream=StreamLimits(max_queued_per_stream=8)
+    )
     engine = server.registry.default.engine
     transcript = Transcript()
     async with (

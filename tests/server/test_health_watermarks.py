@@ -17,6 +17,7 @@ from tests.support.polling import wait_until
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
 from tokenwire.client import AsyncClient, Completed, GenerateOptions, Queued, Sampling, Stopping
+from tokenwire.server.api.stream_limits import StreamLimits
 from tokenwire.server.app import SERVICE_NAME
 from tokenwire.server.config import HealthSettings
 from tokenwire.server.health import HealthReporter
@@ -80,6 +81,7 @@ async def test_a_real_queue_turns_health_off_and_back_on_through_watch(tiny_mode
         tiny_model_dir,
         max_batch_size=1,
         health=HealthSettings(queue_high_watermark=3, queue_low_watermark=1),
+        stream=StreamLimits(max_queued_per_stream=8),  # this one stream fills the queue on purpose
     )
     async with (
         serving(settings, gate=gate) as server,

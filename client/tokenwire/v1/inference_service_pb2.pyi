@@ -103,7 +103,8 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
-    """Client-chosen identifier, at most 128 characters. Required in StreamGenerate, where it must be
+    """Client-chosen identifier: at most 128 characters, each printable ASCII other than space
+    ("!" to "~"); anything else is INVALID_ARGUMENT. Required in StreamGenerate, where it must be
     unique among the stream's live requests; optional in Generate, where the server assigns one
     when it is empty. Echoed in every response.
     """

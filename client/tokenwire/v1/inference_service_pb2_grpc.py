@@ -100,6 +100,11 @@ class InferenceServiceServicer:
         generation and then ends the stream with OK. Cancelling the call, disconnecting or passing the
         call's deadline stops every generation of the stream within one decode step.
         A per-request failure is an `error` event for that request_id; the stream stays open.
+        One call holds a bounded share of the server: a generation past the call's live generations
+        (`--max-generations-per-stream`) or queue places (`--max-queued-per-stream`) is an `error`
+        event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
+        client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
+        generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -62,6 +62,11 @@ class InferenceServiceStub:
     generation and then ends the stream with OK. Cancelling the call, disconnecting or passing the
     call's deadline stops every generation of the stream within one decode step.
     A per-request failure is an `error` event for that request_id; the stream stays open.
+    One call holds a bounded share of the server: a generation past the call's live generations
+    (`--max-generations-per-stream`) or queue places (`--max-queued-per-stream`) is an `error`
+    event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
+    client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
+    generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]
     """ListModels lists the served models and their limits."""
@@ -100,6 +105,11 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     generation and then ends the stream with OK. Cancelling the call, disconnecting or passing the
     call's deadline stops every generation of the stream within one decode step.
     A per-request failure is an `error` event for that request_id; the stream stays open.
+    One call holds a bounded share of the server: a generation past the call's live generations
+    (`--max-generations-per-stream`) or queue places (`--max-queued-per-stream`) is an `error`
+    event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
+    client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
+    generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]  # type: ignore[assignment]
     """ListModels lists the served models and their limits."""
@@ -147,6 +157,11 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         generation and then ends the stream with OK. Cancelling the call, disconnecting or passing the
         call's deadline stops every generation of the stream within one decode step.
         A per-request failure is an `error` event for that request_id; the stream stays open.
+        One call holds a bounded share of the server: a generation past the call's live generations
+        (`--max-generations-per-stream`) or queue places (`--max-queued-per-stream`) is an `error`
+        event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
+        client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
+        generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
         """
 
     @_abc_1.abstractmethod

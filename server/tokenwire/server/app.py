@@ -17,6 +17,7 @@ from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaServ
 from tokenwire.server.api.reflection import enable_reflection
 from tokenwire.server.api.registry import ModelRegistry, ServedModel
 from tokenwire.server.api.servicer import InferenceServicer
+from tokenwire.server.api.stream import StreamCaps
 from tokenwire.server.config import ServerSettings
 from tokenwire.server.engine.engine import Engine, EngineConfig
 from tokenwire.server.engine.errors import GenerationError
@@ -133,6 +134,12 @@ class TokenwireServer:
                 self.lifecycle,
                 telemetry=self.telemetry.requests,
                 callers=CallerDirectory(settings.auth.token_callers()),
+                limits=settings.limits,
+                stream_caps=StreamCaps(
+                    generations=settings.stream.max_generations_per_stream,
+                    queued=settings.stream.queued_per_stream(settings.max_queue_size),
+                    unsent_bytes=settings.stream.max_unsent_bytes_per_stream,
+                ),
             ),
             server,
         )
@@ -203,6 +210,7 @@ class TokenwireServer:
                 loaded.chat_template,
                 loaded.tokenizer,
                 control_tokens_in_content=settings.limits.control_tokens_in_messages,
+                context_length=loaded.info.context_length,
             )
             validator = RequestValidator(loaded.info, loaded.tokenizer, chat, settings.limits)
             self.registry.add(ServedModel(loaded, engine, validator))

@@ -28,7 +28,9 @@ INFO = ModelInfo(
 def validator(tiny_model_dir: Path) -> RequestValidator:
     tokenizer = Tokenizer.from_file(tiny_model_dir / "tokenizer.json")
     template = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
-    chat = ChatPrompts(template, tokenizer, control_tokens_in_content=False)
+    chat = ChatPrompts(
+        template, tokenizer, control_tokens_in_content=False, context_length=INFO.context_length
+    )
     return RequestValidator(
         INFO, tokenizer, chat, RequestLimits(max_new_tokens_cap=100, default_max_new_tokens=50)
     )

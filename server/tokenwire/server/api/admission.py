@@ -1,23 +1,31 @@
 """Admission: one generation request from its arrival to the engine's queue, or to its refusal.
 
-Generate and StreamGenerate admit a request the same way: start its telemetry record, convert
-it, check that the server takes work, resolve the model, validate the request against it and
-submit it. A refusal at any step is recorded and raised as a GenerationError; each RPC answers
-it in its own way (a status for Generate, an error event on the stream).
+Generate and StreamGenerate admit a request the same way: start its telemetry record, check its
+sizes against their bounds (request_bounds.py), convert it, check that the server takes work,
+resolve the model, validate the request against it and submit it. A refusal at any step is
+recorded and raised as a GenerationError; each RPC answers it in its own way (a status for
+Generate, an error event on the stream).
+
+Validation tokenizes the prompt or renders the conversation, work that grows with the input:
+beyond a small input it runs in a worker thread, in pieces that each hold the GIL only briefly
+(Tokenizer.encode_within), so the event loop keeps serving every other stream meanwhile.
 """
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import Callable, Container
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from tokenwire.server.api import convert
+from tokenwire.server.api import convert, request_bounds
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.engine.engine import Engine
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
-from tokenwire.server.engine.types import EngineEvent
+from tokenwire.server.engine.types import EngineEvent, GenerationRequest
+from tokenwire.server.engine.validation import RequestLimits, RequestSpec
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.requests import RequestTelemetry
@@ -36,6 +44,13 @@ class Admitted:
     queue_position: int
 
 
+INLINE_INPUT_CHARACTERS = 2048
+"""Prompts (or conversations) up to this size are validated on the event loop: tokenizing them
+takes less than the hop to a worker thread would."""
+INLINE_MESSAGES = 16
+VALIDATION_WORKERS = 2
+
+
 class Admission:
     def __init__(
         self,
@@ -43,13 +58,16 @@ class Admission:
         lifecycle: Lifecycle,
         telemetry: RequestTelemetry,
         callers: CallerDirectory,
+        limits: RequestLimits | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
         self._telemetry = telemetry
         self._callers = callers
+        self._limits = limits or RequestLimits()
+        self._workers = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
 
-    def admit(
+    async def admit(
         self,
         method: str,
         metadata: Metadata | None,
@@ -76,6 +94,9 @@ class Admission:
         try:
             if isinstance(message, UndecodableRequest):
                 raise message.error()
+            # Only the id and model first: the rest may be huge, and is bounded before it is read.
+            record.describe(RequestSpec(request_id=message.request_id, model=message.model))
+            request_bounds.check_before_model(message, self._limits)
             spec = convert.request_spec(message)
             if live_ids is None and not spec.request_id:
                 spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
@@ -85,13 +106,21 @@ class Admission:
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
-            try:
-                request = served.validator.validate(
+            request_bounds.check_against_model(message, self._limits, served.model.info.context_length)
+
+            def validate() -> GenerationRequest:
+                return served.validator.validate(
                     spec,
                     received_at=received,
                     call_deadline=call_deadline,
                     require_request_id=live_ids is not None,
                 )
+
+            try:
+                if _small(spec):
+                    request = validate()
+                else:
+                    request = await asyncio.get_running_loop().run_in_executor(self._workers, validate)
             except GenerationError as error:
                 raise convert.request_error(error) from None
             ticket = served.engine.submit(replace(request, caller=caller), observed)
@@ -99,6 +128,18 @@ class Admission:
             record.refused(error)
             raise
         return Admitted(spec.request_id, served.engine, ticket.key, ticket.queue_position)
+
+
+def _small(spec: RequestSpec) -> bool:
+    """Whether validating `spec` is too little work to be worth a worker thread."""
+    if spec.prompt is not None:
+        return len(spec.prompt) <= INLINE_INPUT_CHARACTERS
+    if spec.messages:
+        return (
+            len(spec.messages) <= INLINE_MESSAGES
+            and sum(len(turn.content) for turn in spec.messages) <= INLINE_INPUT_CHARACTERS
+        )
+    return True  # token ids: checked against the vocabulary, nothing to tokenize
 
 
 def _duplicate_id(request_id: str) -> GenerationError:

@@ -13,9 +13,10 @@ from tokenwire.server.api import convert, errors
 from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.registry import ModelRegistry
-from tokenwire.server.api.stream import StreamSession
+from tokenwire.server.api.stream import StreamCaps, StreamSession
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
+from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.requests import RequestTelemetry
@@ -34,12 +35,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         clock: Callable[[], float] = time.monotonic,
         telemetry: RequestTelemetry | None = None,
         callers: CallerDirectory | None = None,
+        limits: RequestLimits | None = None,
+        stream_caps: StreamCaps | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
         self._clock = clock
         self._telemetry = telemetry or RequestTelemetry(clock=clock)
-        self._admission = Admission(registry, lifecycle, self._telemetry, callers or CallerDirectory())
+        self._admission = Admission(
+            registry, lifecycle, self._telemetry, callers or CallerDirectory(), limits
+        )
+        self._caps = stream_caps or StreamCaps()
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
         received = self._clock()
@@ -50,7 +56,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 outcome.set_result(event)
 
         try:
-            admitted = self._admission.admit(
+            admitted = await self._admission.admit(
                 "Generate",
                 context.invocation_metadata(),
                 request,
@@ -87,10 +93,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             self._telemetry.begin("StreamGenerate", metadata, received).refused(error)
             await errors.abort(context, error)
         session = StreamSession(
-            self._admission, self._clock, _call_deadline(context, received), self._telemetry, metadata
+            self._admission,
+            self._clock,
+            _call_deadline(context, received),
+            self._telemetry,
+            metadata,
+            self._caps,
         )
-        async for message in session.run(request_iterator):
-            yield message
+        try:
+            async for message in session.run(request_iterator):
+                yield message
+        except GenerationError as error:  # the client left too much unread: the call ends
+            await errors.abort(context, error)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:  # noqa: N802
         if isinstance(request, UndecodableRequest):

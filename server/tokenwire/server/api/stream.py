@@ -5,6 +5,11 @@ events of every live generation as they come. Half-close ends the reading; the s
 once every live generation has delivered its last event. If the call itself ends first
 (client cancel, disconnect, deadline), every live generation is aborted in `finally`, and the
 engine stops them within one decode step.
+
+One call holds a bounded share of the server (stream_limits.py): so many live generations, so
+many queue places, so many bytes of responses its client has not read yet. Past the last bound
+the call's generations are stopped and the call ends with RESOURCE_EXHAUSTED, so a client that
+stops reading holds neither compute nor memory.
 """
 
 from __future__ import annotations
@@ -12,18 +17,29 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 
 from tokenwire.server.api import convert
 from tokenwire.server.api.admission import Admission, Admitted
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.errors import status_proto
-from tokenwire.server.engine.errors import FieldViolation, GenerationError
-from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
+from tokenwire.server.api.outbox import Outbox
+from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
+from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed, Started
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.server.telemetry.tracing import Metadata
 from tokenwire.v1 import inference_service_pb2 as pb
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StreamCaps:
+    """One call's limits, resolved from StreamLimits and the server's queue size."""
+
+    generations: int = 32
+    queued: int = 32
+    unsent_bytes: int = 1024 * 1024
 
 
 class StreamSession:
@@ -34,37 +50,45 @@ class StreamSession:
         call_deadline: float | None,
         telemetry: RequestTelemetry,
         metadata: Metadata | None,
+        caps: StreamCaps | None = None,
     ) -> None:
         self._admission = admission
         self._clock = clock
         self._call_deadline = call_deadline
         self._telemetry = telemetry
         self._metadata = metadata
-        self._outbox: asyncio.Queue[pb.StreamGenerateResponse | None] = asyncio.Queue()
+        self._caps = caps or StreamCaps()
+        self._outbox = Outbox(self._caps.unsent_bytes)
         self._live: dict[str, Admitted] = {}
+        self._started: set[str] = set()
         self._half_closed = False
         self._reader_error: BaseException | None = None
+        self._backlog_error: GenerationError | None = None
+        self._reader: asyncio.Task[None] | None = None
 
     async def run(
         self, requests: AsyncIterator[pb.StreamGenerateRequest]
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
-        reader = asyncio.create_task(self._read(requests), name="stream-reader")
+        """The call's responses. Raises GenerationError (STREAM_BACKLOG) when the client fell
+        too far behind: the caller ends the call with it."""
+        self._reader = asyncio.create_task(self._read(requests), name="stream-reader")
         try:
             while True:
+                if self._backlog_error is not None:
+                    raise self._backlog_error
                 if self._reader_error is not None:
                     raise self._reader_error
                 if self._half_closed and not self._live and self._outbox.empty():
                     return
-                backlog = [await self._outbox.get()]
-                while not self._outbox.empty():
-                    backlog.append(self._outbox.get_nowait())
+                backlog = await self._outbox.take_all()
                 for message in coalesce_chunks(backlog):
+                    if self._backlog_error is not None:
+                        break
                     yield message
+                self._outbox.sent()
         finally:
-            reader.cancel()
-            for live in self._live.values():
-                live.engine.abort(live.key, AbortReason.DISCONNECTED)
-            self._live.clear()
+            self._reader.cancel()
+            self._abort_all()
 
     async def _read(self, requests: AsyncIterator[pb.StreamGenerateRequest]) -> None:
         try:
@@ -74,42 +98,71 @@ class StreamSession:
                     self._telemetry.begin("StreamGenerate", self._metadata, self._clock()).refused(
                         message.error()
                     )
-                    self._outbox.put_nowait(_error_event("", message.error()))
+                    self._send(_error_event("", message.error()))
                     continue
                 kind = message.WhichOneof("request")
                 if kind == "generate":
-                    self._start(message.generate)
+                    await self._start(message.generate)
                 elif kind == "cancel":
                     self._cancel(message.cancel.request_id)
                 else:
                     error = GenerationError.invalid(FieldViolation("request", "set generate or cancel"))
                     self._telemetry.begin("StreamGenerate", self._metadata, self._clock()).refused(error)
-                    self._outbox.put_nowait(_error_event("", error))
+                    self._send(_error_event("", error))
         except asyncio.CancelledError:
             raise
         except BaseException as error:  # a broken read ends the call; the writer re-raises it
             self._reader_error = error
         finally:
             self._half_closed = True
-            self._outbox.put_nowait(None)  # wake the writer so it can notice
+            self._outbox.put(None)  # wake the writer so it can notice
 
-    def _start(self, message: pb.GenerateRequest) -> None:
+    async def _start(self, message: pb.GenerateRequest) -> None:
         request_id = message.request_id
+        received = self._clock()
+        over = self._over_limit()
+        if over is not None:
+            self._telemetry.begin("StreamGenerate", self._metadata, received).refused(over)
+            self._send(_error_event(request_id, over))
+            return
         try:
-            admitted = self._admission.admit(
+            admitted = await self._admission.admit(
                 "StreamGenerate",
                 self._metadata,
                 message,
-                received=self._clock(),
+                received=received,
                 call_deadline=self._call_deadline,
                 on_event=lambda event: self._deliver(request_id, event),
                 live_ids=self._live,
             )
         except GenerationError as error:
-            self._outbox.put_nowait(_error_event(request_id, error))
+            self._send(_error_event(request_id, error))
+            return
+        if self._backlog_error is not None:  # the call broke while this one was being validated
+            admitted.engine.abort(admitted.key, AbortReason.DISCONNECTED)
             return
         self._live[request_id] = admitted
-        self._outbox.put_nowait(convert.queued_event(request_id, admitted.queue_position))
+        self._send(convert.queued_event(request_id, admitted.queue_position))
+
+    def _over_limit(self) -> GenerationError | None:
+        caps = self._caps
+        if len(self._live) >= caps.generations:
+            return GenerationError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"this call already has {len(self._live)} live generations, the most one StreamGenerate "
+                f"call may have (--max-generations-per-stream {caps.generations}); wait for one to end",
+                reason="STREAM_GENERATIONS_LIMIT",
+            )
+        queued = len(self._live) - len(self._started)
+        if queued >= caps.queued:
+            return GenerationError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"this call already has {queued} generations waiting for a slot, the most one "
+                f"StreamGenerate call may have (--max-queued-per-stream {caps.queued}); "
+                "wait for one to start",
+                reason="STREAM_QUEUE_LIMIT",
+            )
+        return None
 
     def _cancel(self, request_id: str) -> None:
         live = self._live.get(request_id)
@@ -117,13 +170,50 @@ class StreamSession:
             live.engine.abort(live.key, AbortReason.CANCELLED)
 
     def _deliver(self, request_id: str, event: EngineEvent) -> None:
+        if self._backlog_error is not None:
+            return  # the call is ending: nothing more is sent
+        if isinstance(event, Started):
+            self._started.add(request_id)
         if isinstance(event, Failed):
-            self._live.pop(request_id, None)
-            self._outbox.put_nowait(_error_event(request_id, event.error))
+            self._forget(request_id)
+            self._send(_error_event(request_id, event.error))
             return
         if isinstance(event, Completed):
-            self._live.pop(request_id, None)
-        self._outbox.put_nowait(convert.stream_event(request_id, event))
+            self._forget(request_id)
+        self._send(convert.stream_event(request_id, event))
+
+    def _forget(self, request_id: str) -> None:
+        self._live.pop(request_id, None)
+        self._started.discard(request_id)
+
+    def _send(self, message: pb.StreamGenerateResponse) -> None:
+        if self._backlog_error is not None:
+            return
+        if not self._outbox.put(message):
+            self._stop_backlogged()
+
+    def _stop_backlogged(self) -> None:
+        """The client has not read so much output that the call stops: its generations end now
+        (freeing their slots and memory), and the call ends with RESOURCE_EXHAUSTED once the
+        response being sent, if any, goes out."""
+        limit = self._caps.unsent_bytes
+        self._backlog_error = GenerationError(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"this call's responses waiting to be read passed {limit} bytes "
+            f"(--max-unsent-bytes-per-stream); its generations were stopped: read responses as they come",
+            reason="STREAM_BACKLOG",
+        )
+        log.warning("stream stopped: its client left more than %d bytes of responses unread", limit)
+        self._abort_all()
+        self._outbox.discard()
+        if self._reader is not None:
+            self._reader.cancel()
+
+    def _abort_all(self) -> None:
+        for live in self._live.values():
+            live.engine.abort(live.key, AbortReason.DISCONNECTED)
+        self._live.clear()
+        self._started.clear()
 
 
 def coalesce_chunks(backlog: list[pb.StreamGenerateResponse | None]) -> list[pb.StreamGenerateResponse]:

@@ -13,15 +13,18 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from tokenwire.server.engine.errors import FieldViolation, GenerationError
+from tokenwire.server.engine.errors import MAX_VIOLATIONS, FieldViolation, GenerationError, excerpt
 from tokenwire.server.engine.types import GenerationRequest, Priority, StopConditions
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat, SamplingParams
 from tokenwire.server.settings_schema import setting
 from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTurn
-from tokenwire.server.text.tokenizer import Tokenizer
+from tokenwire.server.text.tokenizer import Tokenizer, TooManyTokensError
 
 MAX_TOP_LOGPROBS = 20
+PROMPT_CHARS_PER_TOKEN = 8
+"""Characters per token of context that --max-prompt-chars allows by default: about twice what
+text that fills a context holds, so only prompts that cannot fit are refused untokenized."""
 
 
 @dataclass(frozen=True)
@@ -31,14 +34,16 @@ class RequestLimits:
     max_stop_strings: int = setting(16, "most stop strings per request; more is INVALID_ARGUMENT", minimum=0)
     max_stop_string_length: int = 256
     max_request_id_length: int = 128
-    max_prompt_chars: int = setting(
-        1_000_000,
+    max_prompt_chars: int | None = setting(
+        None,
         "longest prompt in characters (all chat messages together); longer is INVALID_ARGUMENT before "
-        "tokenizing",
+        f"anything is tokenized (default: {PROMPT_CHARS_PER_TOKEN} per token of the model's context)",
         minimum=1,
     )
     """Bound on raw prompt text, checked before tokenizing so huge inputs cost nothing."""
-    max_messages: int = 1024
+    max_messages: int = setting(
+        1024, "most chat messages in one request; more is INVALID_ARGUMENT", minimum=1
+    )
     max_format_chars: int = 65_536
     """Longest JSON Schema or grammar text."""
     max_regex_chars: int = 4096
@@ -49,6 +54,12 @@ class RequestLimits:
         "read control-token markup such as <|im_start|> in chat message content as control tokens, as "
         "Hugging Face does: only for callers trusted to write any turn (off: it is plain text)",
     )
+
+    def prompt_chars(self, context_length: int) -> int:
+        """Longest prompt, in characters, for a model with this context."""
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return PROMPT_CHARS_PER_TOKEN * context_length
 
 
 @dataclass(frozen=True)
@@ -225,12 +236,13 @@ class RequestValidator:
                 for name in given[1:]
             ]
         limits = self._limits
+        max_chars = limits.prompt_chars(self._info.context_length)
         found: list[FieldViolation] = []
         if spec.prompt is not None:
             if not spec.prompt:
                 found.append(FieldViolation("prompt", "must not be empty"))
-            elif len(spec.prompt) > limits.max_prompt_chars:
-                found.append(FieldViolation("prompt", f"longer than {limits.max_prompt_chars} characters"))
+            elif len(spec.prompt) > max_chars:
+                found.append(FieldViolation("prompt", f"longer than {max_chars} characters"))
         elif spec.messages:
             if self._chat is None:
                 found.append(
@@ -241,22 +253,33 @@ class RequestValidator:
                 )
             if len(spec.messages) > limits.max_messages:
                 found.append(FieldViolation("messages", f"more than {limits.max_messages} messages"))
-            for index, turn in enumerate(spec.messages):
+            for index, turn in enumerate(spec.messages[: limits.max_messages]):
                 if turn.role not in ALLOWED_ROLES:
                     allowed = ", ".join(sorted(ALLOWED_ROLES))
                     found.append(
                         FieldViolation(
-                            f"messages[{index}].role", f"unknown role {turn.role!r}; use one of {allowed}"
+                            f"messages[{index}].role",
+                            f"unknown role {excerpt(turn.role)!r}; use one of {allowed}",
                         )
                     )
+                    if len(found) >= MAX_VIOLATIONS:
+                        break
             total = sum(len(t.content) for t in spec.messages)
-            if total > limits.max_prompt_chars:
-                found.append(
-                    FieldViolation("messages", f"longer than {limits.max_prompt_chars} characters in all")
-                )
+            if total > max_chars:
+                found.append(FieldViolation("messages", f"longer than {max_chars} characters in all"))
         elif spec.token_ids is not None:
             if not spec.token_ids:
                 found.append(FieldViolation("token_ids", "must not be empty"))
+            if len(spec.token_ids) >= self._info.context_length:
+                # Checked before the ids are looked at: the count alone says they cannot fit.
+                found.append(
+                    FieldViolation(
+                        "token_ids",
+                        f"{len(spec.token_ids)} tokens leave no room in the context of "
+                        f"{self._info.context_length} tokens",
+                    )
+                )
+                return found
             vocab = self._info.vocab_size
             bad = next((i for i, t in enumerate(spec.token_ids) if not 0 <= t < vocab), None)
             if bad is not None:
@@ -279,6 +302,7 @@ class RequestValidator:
             )
         if len(spec.stop) > limits.max_stop_strings:
             found.append(FieldViolation("stop", f"at most {limits.max_stop_strings} stop strings"))
+            return found
         for index, stop in enumerate(spec.stop[: limits.max_stop_strings]):
             if not stop:
                 found.append(FieldViolation(f"stop[{index}]", "must not be empty"))
@@ -297,7 +321,17 @@ class RequestValidator:
             assert self._chat is not None
             return self._chat(spec.messages)
         assert spec.prompt is not None
-        return self._tokenizer.encode(spec.prompt)
+        room = self._info.context_length - 1
+        try:
+            return self._tokenizer.encode_within(spec.prompt, room)
+        except TooManyTokensError as error:
+            raise GenerationError.invalid(
+                FieldViolation(
+                    "prompt",
+                    f"at least {error.at_least} tokens leave no room in the context of "
+                    f"{self._info.context_length} tokens",
+                )
+            ) from None
 
     def _max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
         context = self._info.context_length

@@ -20,7 +20,7 @@ import secrets
 from collections.abc import Sequence
 
 from tokenwire.server.text.chat import ChatTemplate, ChatTurn
-from tokenwire.server.text.tokenizer import Tokenizer
+from tokenwire.server.text.tokenizer import Tokenizer, TooManyTokensError
 
 
 class ControlTokenInContentError(ValueError):
@@ -38,18 +38,21 @@ def conversation_ids(
     turns: Sequence[ChatTurn],
     *,
     control_tokens_in_content: bool = False,
+    max_tokens: int | None = None,
 ) -> list[int]:
     """Prompt tokens of `turns` with the generation prompt added.
 
     control_tokens_in_content: read control-token markup in message content as control tokens
-    (Hugging Face's behaviour; only for callers trusted to write any turn). Raises
-    ChatTemplateError (and its limit subclass) from rendering, ControlTokenInContentError as above.
+    (Hugging Face's behaviour; only for callers trusted to write any turn). max_tokens: raise
+    TooManyTokensError as soon as the prompt is known to hold more. Raises ChatTemplateError (and
+    its limit subclass) from rendering, ControlTokenInContentError as above.
     """
+    budget = _Budget(max_tokens)
     rendered = template.render(turns, add_generation_prompt=True)
     # The template already wrote any BOS markup; don't let the tokenizer add it twice.
     specials = tokenizer.special_tokens
     if control_tokens_in_content or not specials:
-        return tokenizer.encode(rendered, add_special_tokens=False)
+        return budget.encode(tokenizer, rendered, as_text=False)
     nonce = secrets.token_hex(8)
     markers = [f"\ue000{nonce}:{index}\ue001" for index in range(len(turns))]
     layout = template.render(
@@ -62,8 +65,8 @@ def conversation_ids(
             found = next((token for token in specials if token in turn.content), None)
             if found is not None:
                 raise ControlTokenInContentError(index, found)
-        return tokenizer.encode(rendered, add_special_tokens=False)
-    return _tokenize(pieces, turns, tokenizer)
+        return budget.encode(tokenizer, rendered, as_text=False)
+    return _tokenize(pieces, turns, tokenizer, budget)
 
 
 def _split_at_markers(layout: str, markers: list[str]) -> list[tuple[str, int | None]] | None:
@@ -92,15 +95,39 @@ def _join(pieces: list[tuple[str, int | None]], turns: Sequence[ChatTurn]) -> st
     return "".join(text if index is None else turns[index].content for text, index in pieces)
 
 
+class _Budget:
+    """Tokens left for the prompt; None: no bound."""
+
+    def __init__(self, max_tokens: int | None) -> None:
+        self.left = max_tokens
+        self.used = 0
+
+    def encode(self, tokenizer: Tokenizer, text: str, *, as_text: bool) -> list[int]:
+        if self.left is None:
+            ids = (
+                tokenizer.encode_as_text(text)
+                if as_text
+                else tokenizer.encode(text, add_special_tokens=False)
+            )
+        else:
+            try:
+                ids = tokenizer.encode_within(text, self.left, add_special_tokens=False, as_text=as_text)
+            except TooManyTokensError as error:
+                raise TooManyTokensError(self.used + error.at_least) from None
+            self.left -= len(ids)
+        self.used += len(ids)
+        return ids
+
+
 def _tokenize(
-    pieces: list[tuple[str, int | None]], turns: Sequence[ChatTurn], tokenizer: Tokenizer
+    pieces: list[tuple[str, int | None]], turns: Sequence[ChatTurn], tokenizer: Tokenizer, budget: _Budget
 ) -> list[int]:
     ids: list[int] = []
     run: list[str] = []  # plain text since the last control token the template wrote
 
     def close_run() -> None:
         if run:
-            ids.extend(tokenizer.encode_as_text("".join(run)))
+            ids.extend(budget.encode(tokenizer, "".join(run), as_text=True))
             run.clear()
 
     for text, index in pieces:
@@ -110,7 +137,7 @@ def _tokenize(
         for segment, control in _control_tokens(text, tokenizer.special_tokens):
             if control:
                 close_run()
-                ids.extend(tokenizer.encode(segment, add_special_tokens=False))
+                ids.extend(budget.encode(tokenizer, segment, as_text=False))
             else:
                 run.append(segment)
     close_run()

@@ -2,10 +2,26 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import re
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer as HfTokenizer
+
+PIECE_CHARACTERS = 4096
+"""Characters tokenized per call while counting a long text: the tokenizer holds the GIL for a
+whole call, so a call this size keeps the event loop's wait to a few milliseconds."""
+_CUT_SLACK_TOKENS = 4
+"""Tokens a cut between pieces may add to the count (merges cannot cross it)."""
+_WHITESPACE_START = re.compile(r"(?<=\S)\s")
+
+
+class TooManyTokensError(ValueError):
+    """The text holds more tokens than allowed; counting stopped at `at_least`."""
+
+    def __init__(self, at_least: int) -> None:
+        super().__init__(f"at least {at_least} tokens")
+        self.at_least = at_least
 
 
 class Tokenizer:
@@ -48,9 +64,46 @@ class Tokenizer:
         """Tokens of `text` read as plain text: "<|im_end|>" in it is characters, not a control token."""
         return list(self._as_text.encode(text, add_special_tokens=False).ids)
 
+    def encode_within(
+        self, text: str, max_tokens: int, *, add_special_tokens: bool = True, as_text: bool = False
+    ) -> list[int]:
+        """Tokens of `text` (as encode, or encode_as_text), or TooManyTokensError as soon as it
+        is clear there are more than `max_tokens`.
+
+        A long text is first counted piece by piece, cut where whitespace begins (where the
+        pre-tokenizers cut anyway), so no call holds the GIL for long and counting stops at the
+        first piece that takes the count past the bound. Only a text that fits is tokenized whole,
+        so the tokens are exactly those of encode.
+        """
+        counter = self._as_text if as_text else self._backend
+        if len(text) > PIECE_CHARACTERS:
+            counted = 0
+            for cuts, piece in enumerate(_pieces(text)):
+                counted += len(counter.encode(piece, add_special_tokens=False).ids)
+                if counted > max_tokens + cuts * _CUT_SLACK_TOKENS:
+                    raise TooManyTokensError(counted - cuts * _CUT_SLACK_TOKENS)
+        ids = (
+            self.encode_as_text(text) if as_text else self.encode(text, add_special_tokens=add_special_tokens)
+        )
+        if len(ids) > max_tokens:
+            raise TooManyTokensError(len(ids))
+        return ids
+
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
     def token_to_id(self, token: str) -> int | None:
         found = self._backend.token_to_id(token)
         return None if found is None else int(found)
+
+
+def _pieces(text: str) -> Iterator[str]:
+    """`text` in pieces of about PIECE_CHARACTERS, each cut where a run of whitespace begins (or
+    mid-run of non-whitespace when a window holds no whitespace at all)."""
+    start = 0
+    while len(text) - start > PIECE_CHARACTERS:
+        found = _WHITESPACE_START.search(text, start + PIECE_CHARACTERS, start + 2 * PIECE_CHARACTERS)
+        cut = found.start() if found is not None else start + PIECE_CHARACTERS
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
