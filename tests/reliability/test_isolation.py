@@ -1,7 +1,8 @@
 """One caller must never hurt the others: each attack of the isolation review, against a real server.
 
 A `tokenwire serve` process (bearer tokens on, metrics on, JSON logs to a file, the tiny model,
-every request limit at its default) serves an innocent streaming client in a process of its own
+every limit at its default but the unsent-output bound, lowered so the CI-scale attack reaches
+it) serves an innocent streaming client in a process of its own
 (tests/reliability/innocent_client.py) throughout. The innocent is first measured alone; then each
 test runs one attack by one caller and checks that
 
