@@ -13,6 +13,12 @@ With health checks on, each subchannel watches `grpc.health.v1` for the inferenc
 a replica that reports NOT_SERVING (loading, draining, queue above its high watermark) gets no
 new calls until it reports SERVING again. Calls already on it carry on.
 
+grpcio's C-core has all of this built in (checked with grpcio 1.85): `weighted_round_robin`,
+its out-of-band ORCA client and the client-side health checks are switched on by the service
+config alone (`loadBalancingConfig`, `healthCheckConfig`), with no environment variable and no
+channel option beyond `grpc.service_config` (health checks stay off only under
+`grpc.inhibit_health_checking`, which the client never sets).
+
 Every generation is one call in fleet mode (`generate`, or `stream` without `open_stream`), so
 each one is placed by the balancer. A stream from `open_stream` stays on the replica it opened
 on for as long as it lives.
