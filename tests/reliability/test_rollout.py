@@ -188,7 +188,13 @@ async def test_a_rolling_update_and_a_crash_lose_only_the_crashed_replicas_strea
         await long_stream.close_requests()
         long_transcript = Transcript()
         long_events = long_stream.events()
-        await read_until(long_events, long_transcript, lambda t: bool(t.tokens("long0")))
+        # Every one admitted (queued) before the signal: one submitted but not yet read by r1
+        # would be refused as DRAINING, which on a long-lived stream is the caller's to resend.
+        await read_until(
+            long_events,
+            long_transcript,
+            lambda t: bool(t.tokens("long0")) and all(t.events[f"long{i}"] for i in range(LONG_GENERATIONS)),
+        )
         r1.process.send_signal(signal.SIGTERM)  # a rolling update: drain, then exit
         async for event in long_events:
             long_transcript.add(event)
