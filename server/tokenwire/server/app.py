@@ -63,6 +63,7 @@ class TokenwireServer:
         self.registry = ModelRegistry()
         self._wrap_model = wrap_model
         self._server: grpc.aio.Server | None = None
+        self._servicer: InferenceServicer | None = None
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         """Port of the plaintext health listener once started; None without --health-port."""
@@ -128,21 +129,19 @@ class TokenwireServer:
             )
         interceptors.append(LoadReportTrailers(self.load_tracker, LOAD_REPORTED_METHODS))
         server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
-        add_inference_service(
-            InferenceServicer(
-                self.registry,
-                self.lifecycle,
-                telemetry=self.telemetry.requests,
-                callers=CallerDirectory(settings.auth.token_callers()),
-                limits=settings.limits,
-                stream_caps=StreamCaps(
-                    generations=settings.stream.max_generations_per_stream,
-                    queued=settings.stream.queued_per_stream(settings.max_queue_size),
-                    unsent_bytes=settings.stream.max_unsent_bytes_per_stream,
-                ),
+        self._servicer = InferenceServicer(
+            self.registry,
+            self.lifecycle,
+            telemetry=self.telemetry.requests,
+            callers=CallerDirectory(settings.auth.token_callers()),
+            limits=settings.limits,
+            stream_caps=StreamCaps(
+                generations=settings.stream.max_generations_per_stream,
+                queued=settings.stream.queued_per_stream(settings.max_queue_size),
+                unsent_bytes=settings.stream.max_unsent_bytes_per_stream,
             ),
-            server,
         )
+        add_inference_service(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         add_orca_service(
             OrcaService(self.load_tracker, min_interval=settings.load_report_min_interval), server
@@ -232,6 +231,8 @@ class TokenwireServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
+        if self._servicer is not None:
+            self._servicer.close()
         if self._health_server is not None:
             await self._health_server.stop(0)
             self._health_server = None

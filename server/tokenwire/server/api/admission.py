@@ -67,6 +67,9 @@ class Admission:
         self._limits = limits or RequestLimits()
         self._workers = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
 
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
     async def admit(
         self,
         method: str,

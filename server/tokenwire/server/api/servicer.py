@@ -47,6 +47,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         )
         self._caps = stream_caps or StreamCaps()
 
+    def close(self) -> None:
+        """Let the validation workers go (the server has stopped taking calls)."""
+        self._admission.close()
+
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
         received = self._clock()
         outcome: asyncio.Future[Completed | Failed] = asyncio.get_running_loop().create_future()
