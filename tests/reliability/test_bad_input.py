@@ -120,6 +120,9 @@ def allowed_codes(request: pb.GenerateRequest) -> set[grpc.StatusCode]:
         allowed.add(grpc.StatusCode.NOT_FOUND)
     if request.HasField("timeout"):
         allowed.add(grpc.StatusCode.DEADLINE_EXCEEDED)
+    if request.request_id:
+        # Ids are idempotent per caller: one drawn again with another body is ALREADY_EXISTS.
+        allowed.add(grpc.StatusCode.ALREADY_EXISTS)
     return allowed
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Sequence
 
 from google.protobuf.duration_pb2 import Duration
@@ -34,6 +35,10 @@ _FINISH = {
     pb.FINISH_REASON_STOP: FinishReason.STOP,
     pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
 }
+
+
+def new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex[:16]}"
 
 
 _PRIORITIES = {

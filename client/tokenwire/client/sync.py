@@ -61,6 +61,10 @@ class Client:
         request_id: str = "",
         deadline: float | None = None,
     ) -> Generation:
+        # With retries on, every Generate carries an id, so a retry the channel sends (the same
+        # message) joins the first attempt's generation on the server instead of starting another.
+        if self._retry is not None and not request_id:
+            request_id = messages.new_request_id()
         request = messages.generate_request(prompt, options, request_id)
         try:
             response = self._stub.Generate(request, timeout=deadline, metadata=self._metadata)

@@ -107,6 +107,16 @@ class GenerateRequest(_message.Message):
     ("!" to "~"); anything else is INVALID_ARGUMENT. Required in StreamGenerate, where it must be
     unique among the stream's live requests; optional in Generate, where the server assigns one
     when it is empty. Echoed in every response.
+
+    A client-chosen id makes the request idempotent for its caller (the bearer token's caller, or
+    the one anonymous caller without authentication): while a generation with this caller and id
+    runs, the same request again (on Generate or on any stream) joins it instead of starting
+    another; a unary retry gets the same response, a streamed one the tokens so far as one chunk
+    and then the rest. After the generation ends by itself (EOS, LENGTH or STOP) its result stays
+    retrievable the same way for the server's --result-retention (300 s by default, within
+    --result-retention-mb). A cancelled or failed generation, or one every caller went away from,
+    is not kept: the same request then starts afresh. The same id with a different request is
+    ALREADY_EXISTS (reason REQUEST_ID_REUSED) naming request_id.
     """
     model: _builtins.str
     """Name of the model to use, as listed by ListModels. Empty selects the server's default model."""

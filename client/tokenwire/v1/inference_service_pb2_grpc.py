@@ -33,6 +33,8 @@ class InferenceServiceStub:
     INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
     (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
     NOT_FOUND           the model named in GenerateRequest.model is not served.
+    ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
+    request (google.rpc.BadRequest names request_id).
     RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
     `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
     DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.
@@ -72,6 +74,8 @@ class InferenceServiceServicer:
     INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
     (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
     NOT_FOUND           the model named in GenerateRequest.model is not served.
+    ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
+    request (google.rpc.BadRequest names request_id).
     RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
     `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
     DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.
@@ -151,6 +155,8 @@ class InferenceService:
     INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
     (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
     NOT_FOUND           the model named in GenerateRequest.model is not served.
+    ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
+    request (google.rpc.BadRequest names request_id).
     RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
     `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
     DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.

@@ -34,6 +34,8 @@ class InferenceServiceStub:
       INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
                           (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
       NOT_FOUND           the model named in GenerateRequest.model is not served.
+      ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
+                          request (google.rpc.BadRequest names request_id).
       RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
                           `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
       DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.
@@ -80,6 +82,8 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
       INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
                           (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
       NOT_FOUND           the model named in GenerateRequest.model is not served.
+      ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
+                          request (google.rpc.BadRequest names request_id).
       RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
                           `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
       DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.
@@ -122,6 +126,8 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
       INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
                           (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
       NOT_FOUND           the model named in GenerateRequest.model is not served.
+      ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
+                          request (google.rpc.BadRequest names request_id).
       RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
                           `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
       DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Callable
 
 import grpc
@@ -16,6 +17,7 @@ from tokenwire.server.api.handlers import SERVICE_NAME, add_inference_service
 from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaService, add_orca_service
 from tokenwire.server.api.reflection import enable_reflection
 from tokenwire.server.api.registry import ModelRegistry, ServedModel
+from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.api.stream import StreamCaps
 from tokenwire.server.config import ServerSettings
@@ -61,6 +63,11 @@ class TokenwireServer:
         self.settings = settings
         self.lifecycle = Lifecycle()
         self.registry = ModelRegistry()
+        self.generations = GenerationRegistry(
+            retention=settings.result_retention,
+            max_bytes=settings.result_retention_mb * 2**20,
+            clock=time.monotonic,
+        )
         self._wrap_model = wrap_model
         self._server: grpc.aio.Server | None = None
         self._servicer: InferenceServicer | None = None
@@ -140,6 +147,7 @@ class TokenwireServer:
                 queued=settings.stream.queued_per_stream(settings.max_queue_size),
                 unsent_bytes=settings.stream.max_unsent_bytes_per_stream,
             ),
+            generations=self.generations,
         )
         add_inference_service(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)

@@ -235,6 +235,16 @@ class ServerSettings:
         group=ENGINE,
         minimum=0,
     )
+    result_retention: float = setting(
+        300.0,
+        "seconds a finished generation stays retrievable by a retry with the same caller and request_id "
+        "(0: results are not kept; a retry still joins a running generation)",
+        group=ENGINE,
+        minimum=0,
+    )
+    result_retention_mb: int = setting(
+        64, "memory for kept results, in MiB; the oldest go first", group=ENGINE, minimum=0
+    )
     intra_op_threads: int = setting(
         0, "ONNX Runtime threads per operator (0: one per core)", group=ENGINE, minimum=0
     )

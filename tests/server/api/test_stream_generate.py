@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import grpc
 import pytest
 
 from tests.conftest import ServerFactory
@@ -22,6 +23,7 @@ from tokenwire.client import (
     Sampling,
     Started,
     StreamEvent,
+    TokenwireError,
 )
 from tokenwire.server.app import TokenwireServer
 
@@ -132,18 +134,32 @@ async def test_half_close_finishes_every_live_generation_then_ends_ok(client: As
         assert final.generation.completion_tokens == 20 + index == len(transcript.tokens(f"r{index}"))
 
 
-async def test_request_id_can_be_reused_after_it_finished(client: AsyncClient) -> None:
+async def test_a_finished_request_id_brings_back_its_result_and_refuses_another_request(
+    client: AsyncClient, server: TokenwireServer
+) -> None:
+    # Ids are idempotent per caller (test_request_ids.py): the same request again gets the kept
+    # result without a second generation; a different request under the id is ALREADY_EXISTS.
     transcript = Transcript()
     async with client.open_stream() as stream:
         events = stream.events()
         await stream.submit("same", "First", greedy(3))
         await read_until(events, transcript, lambda t: t.finished("same"))
+        finished_before = server.registry.default.engine.stats.finished
+        await stream.submit("same", "First", greedy(3))
+        await read_until(
+            events, transcript, lambda t: sum(isinstance(e, Completed) for e in t.events["same"]) == 2
+        )
         await stream.submit("same", "Second", greedy(4))
         await stream.close_requests()
         async for event in events:
             transcript.add(event)
     completions = [e for e in transcript.events["same"] if isinstance(e, Completed)]
-    assert [c.generation.completion_tokens for c in completions] == [3, 4]
+    assert [c.generation.completion_tokens for c in completions] == [3, 3]
+    failures = [e for e in transcript.events["same"] if isinstance(e, Failed)]
+    assert len(failures) == 1
+    error = failures[0].error
+    assert isinstance(error, TokenwireError) and error.code is grpc.StatusCode.ALREADY_EXISTS
+    assert server.registry.default.engine.stats.finished == finished_before
 
 
 async def test_cancel_of_unknown_request_id_is_ignored(client: AsyncClient) -> None:

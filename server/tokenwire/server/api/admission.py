@@ -14,6 +14,7 @@ beyond a small input it runs in a worker thread, in pieces that each hold the GI
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import uuid
 from collections.abc import Callable, Container
 from concurrent.futures import ThreadPoolExecutor
@@ -22,9 +23,9 @@ from dataclasses import dataclass, replace
 from tokenwire.server.api import convert, request_bounds
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.registry import ModelRegistry
-from tokenwire.server.engine.engine import Engine
+from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
-from tokenwire.server.engine.types import EngineEvent, GenerationRequest
+from tokenwire.server.engine.types import AbortReason, EngineEvent, GenerationRequest
 from tokenwire.server.engine.validation import RequestLimits, RequestSpec
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.security.callers import CallerDirectory
@@ -32,16 +33,21 @@ from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.server.telemetry.tracing import Metadata
 from tokenwire.v1 import inference_service_pb2 as pb
 
+MAX_REQUEST_ID_LENGTH = RequestLimits().max_request_id_length
+"""Longer ids are refused by validation; they are never looked up or fingerprinted."""
+
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request in the engine's queue."""
+    """A request in the engine's queue, or a call attached to a generation of the same id."""
 
     request_id: str
-    engine: Engine
-    key: int
-    """The engine's handle for aborting it."""
     queue_position: int
+    stop: Callable[[AbortReason], None]
+    """Ends the request (a cancel) or lets go of it (the call went away): through the engine, or
+    through the generation registry when other calls may share the generation."""
+    attached: bool = False
+    """True when the call joined a generation asked for earlier with the same id."""
 
 
 INLINE_INPUT_CHARACTERS = 2048
@@ -59,6 +65,7 @@ class Admission:
         telemetry: RequestTelemetry,
         callers: CallerDirectory,
         limits: RequestLimits | None = None,
+        generations: GenerationRegistry | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
@@ -66,6 +73,7 @@ class Admission:
         self._callers = callers
         self._limits = limits or RequestLimits()
         self._workers = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
+        self._generations = generations
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
@@ -101,11 +109,20 @@ class Admission:
             record.describe(RequestSpec(request_id=message.request_id, model=message.model))
             request_bounds.check_before_model(message, self._limits)
             spec = convert.request_spec(message)
+            chosen_id = spec.request_id
             if live_ids is None and not spec.request_id:
                 spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
             record.describe(spec)
             if live_ids is not None and spec.request_id and spec.request_id in live_ids:
                 raise _duplicate_id(spec.request_id)
+            # Only an id the client chose makes a request retryable; a made-up one pays nothing.
+            fingerprint = b""
+            if self._generations is not None and 0 < len(chosen_id) <= MAX_REQUEST_ID_LENGTH:
+                fingerprint = _fingerprint(message)
+                earlier = self._generations.find(caller.name, chosen_id, fingerprint)
+                if earlier is not None:
+                    subscription = self._generations.attach(earlier, observed)
+                    return Admitted(chosen_id, 0, subscription.stop, attached=True)
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
@@ -126,11 +143,37 @@ class Admission:
                     request = await asyncio.get_running_loop().run_in_executor(self._workers, validate)
             except GenerationError as error:
                 raise convert.request_error(error) from None
-            ticket = served.engine.submit(replace(request, caller=caller), observed)
+            request = replace(request, caller=caller)
+            if not fingerprint or self._generations is None:
+                ticket = served.engine.submit(request, observed)
+                engine, key = served.engine, ticket.key
+                return Admitted(
+                    spec.request_id, ticket.queue_position, lambda reason: engine.abort(key, reason)
+                )
+            # The same request may have arrived while this one was validated on a worker.
+            earlier = self._generations.find(caller.name, chosen_id, fingerprint)
+            if earlier is not None:
+                subscription = self._generations.attach(earlier, observed)
+                return Admitted(chosen_id, 0, subscription.stop, attached=True)
+            generation, subscription = self._generations.begin(caller.name, chosen_id, fingerprint, observed)
+            try:
+                ticket = served.engine.submit(request, self._generations.deliver_to(generation))
+            except GenerationError:
+                self._generations.discard(generation)
+                raise
+            self._generations.bind(generation, served.engine, ticket.key)
+            return Admitted(spec.request_id, ticket.queue_position, subscription.stop)
         except GenerationError as error:
             record.refused(error)
             raise
-        return Admitted(spec.request_id, served.engine, ticket.key, ticket.queue_position)
+
+
+def _fingerprint(message: pb.GenerateRequest) -> bytes:
+    """The request's body, id aside: two requests with equal fingerprints ask for the same thing."""
+    body = pb.GenerateRequest()
+    body.CopyFrom(message)
+    body.request_id = ""
+    return hashlib.sha256(body.SerializeToString(deterministic=True)).digest()
 
 
 def _small(spec: RequestSpec) -> bool:

@@ -13,6 +13,7 @@ from tokenwire.server.api import convert, errors
 from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.registry import ModelRegistry
+from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.api.stream import StreamCaps, StreamSession
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
@@ -37,13 +38,19 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         callers: CallerDirectory | None = None,
         limits: RequestLimits | None = None,
         stream_caps: StreamCaps | None = None,
+        generations: GenerationRegistry | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
         self._clock = clock
         self._telemetry = telemetry or RequestTelemetry(clock=clock)
         self._admission = Admission(
-            registry, lifecycle, self._telemetry, callers or CallerDirectory(), limits
+            registry,
+            lifecycle,
+            self._telemetry,
+            callers or CallerDirectory(),
+            limits,
+            generations,
         )
         self._caps = stream_caps or StreamCaps()
 
@@ -79,7 +86,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             reason = (
                 AbortReason.DEADLINE if remaining is not None and remaining <= 0 else AbortReason.DISCONNECTED
             )
-            admitted.engine.abort(admitted.key, reason)
+            admitted.stop(reason)
             raise
         if isinstance(event, Failed):
             await errors.abort(context, event.error)

@@ -139,7 +139,7 @@ class StreamSession:
             self._send(_error_event(request_id, error))
             return
         if self._backlog_error is not None:  # the call broke while this one was being validated
-            admitted.engine.abort(admitted.key, AbortReason.DISCONNECTED)
+            admitted.stop(AbortReason.DISCONNECTED)
             return
         self._live[request_id] = admitted
         self._send(convert.queued_event(request_id, admitted.queue_position))
@@ -167,7 +167,7 @@ class StreamSession:
     def _cancel(self, request_id: str) -> None:
         live = self._live.get(request_id)
         if live is not None:
-            live.engine.abort(live.key, AbortReason.CANCELLED)
+            live.stop(AbortReason.CANCELLED)
 
     def _deliver(self, request_id: str, event: EngineEvent) -> None:
         if self._backlog_error is not None:
@@ -211,7 +211,7 @@ class StreamSession:
 
     def _abort_all(self) -> None:
         for live in self._live.values():
-            live.engine.abort(live.key, AbortReason.DISCONNECTED)
+            live.stop(AbortReason.DISCONNECTED)
         self._live.clear()
         self._started.clear()
 

@@ -14,6 +14,7 @@ class ErrorKind(Enum):
     UNAVAILABLE = "unavailable"
     INTERNAL = "internal"
     UNAUTHENTICATED = "unauthenticated"
+    ALREADY_EXISTS = "already_exists"
 
 
 MAX_VIOLATIONS = 8

@@ -1,0 +1,216 @@
+"""Idempotent request ids: one generation per caller and request_id, however often it is asked for.
+
+A request that carries its own request_id is registered under (caller, request_id) with a
+fingerprint of its body. While it runs, a retry with the same caller, id and body attaches to it
+instead of starting a second generation: it hears what happened so far (started, then the tokens
+so far as one chunk) and then every event as it comes. After a generation ends by itself (EOS,
+length or a stop string) its result stays retrievable for `retention` seconds, within `max_bytes`
+of results in all (oldest dropped first). A retry with the same id and another body is
+ALREADY_EXISTS. Ids are scoped per caller, so no caller can reach another's generations.
+
+A generation that is cancelled, fails, or loses its last listener (every call that asked for it
+went away) is forgotten: nothing of it is kept, and a later retry starts afresh. Everything here
+runs on the event loop (engine events are delivered there), so no lock is needed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from tokenwire.server.engine.engine import Engine
+from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
+from tokenwire.server.engine.types import (
+    AbortReason,
+    Completed,
+    EngineEvent,
+    EventSink,
+    Failed,
+    FinishReason,
+    Started,
+    TokenLogprobs,
+    TokensGenerated,
+)
+
+_NATURAL_ENDS = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
+
+
+@dataclass
+class _Generation:
+    caller: str
+    request_id: str
+    fingerprint: bytes
+    engine: Engine | None = None
+    key: int = 0
+    listeners: dict[int, EventSink] = field(default_factory=dict)
+    started: Started | None = None
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    completed: Completed | None = None
+    finished_at: float = 0.0
+    size: int = 0
+
+    def so_far(self) -> list[EngineEvent]:
+        """What a listener that joins now has missed, as few events as possible."""
+        events: list[EngineEvent] = []
+        if self.started is not None:
+            events.append(self.started)
+        if self.completed is not None:
+            result = self.completed.result
+            if result.token_ids or result.text:
+                events.append(TokensGenerated(result.token_ids, result.text, result.logprobs))
+            events.append(self.completed)
+        elif self.token_ids or self.text:
+            events.append(TokensGenerated(tuple(self.token_ids), "".join(self.text), tuple(self.logprobs)))
+        return events
+
+
+class Subscription:
+    """One call's interest in a generation; `stop` is how that call ends it or lets go of it."""
+
+    def __init__(self, registry: GenerationRegistry, generation: _Generation, listener: int) -> None:
+        self._registry = registry
+        self._generation = generation
+        self._listener = listener
+
+    def stop(self, reason: AbortReason) -> None:
+        self._registry.stop(self._generation, self._listener, reason)
+
+
+class GenerationRegistry:
+    def __init__(self, *, retention: float, max_bytes: int, clock: Callable[[], float]) -> None:
+        self._retention = retention
+        self._max_bytes = max_bytes
+        self._clock = clock
+        self._live: dict[tuple[str, str], _Generation] = {}
+        self._kept: OrderedDict[tuple[str, str], _Generation] = OrderedDict()
+        self._kept_bytes = 0
+        self._listeners = itertools.count(1)
+
+    @property
+    def live_count(self) -> int:
+        return len(self._live)
+
+    @property
+    def kept_count(self) -> int:
+        return len(self._kept)
+
+    def listeners(self, caller: str, request_id: str) -> int:
+        """Calls listening to the caller's live generation with this id (0 when none runs)."""
+        found = self._live.get((caller, request_id))
+        return 0 if found is None else len(found.listeners)
+
+    def find(self, caller: str, request_id: str, fingerprint: bytes) -> _Generation | None:
+        """The caller's generation with this id, live or kept; None when there is none.
+        Raises ALREADY_EXISTS when it was asked for with another body."""
+        self._expire()
+        key = (caller, request_id)
+        found = self._live.get(key) or self._kept.get(key)
+        if found is not None and found.fingerprint != fingerprint:
+            raise GenerationError(
+                ErrorKind.ALREADY_EXISTS,
+                f"request_id {request_id!r} was already used for a different request",
+                violations=(
+                    FieldViolation(
+                        "request_id",
+                        "already used for a different request; choose a new id for a new request",
+                    ),
+                ),
+                reason="REQUEST_ID_REUSED",
+            )
+        return found
+
+    def begin(
+        self, caller: str, request_id: str, fingerprint: bytes, listener: EventSink
+    ) -> tuple[_Generation, Subscription]:
+        """Register a new generation, heard by `listener`; bind it to its engine with `bind`."""
+        generation = _Generation(caller, request_id, fingerprint)
+        self._live[(caller, request_id)] = generation
+        number = next(self._listeners)
+        generation.listeners[number] = listener
+        return generation, Subscription(self, generation, number)
+
+    def deliver_to(self, generation: _Generation) -> EventSink:
+        """The sink to submit the generation's request with."""
+        return lambda event: self._deliver(generation, event)
+
+    def bind(self, generation: _Generation, engine: Engine, key: int) -> None:
+        """The engine's handle, for stopping the generation once it is queued."""
+        generation.engine, generation.key = engine, key
+
+    def discard(self, generation: _Generation) -> None:
+        """The generation never reached the engine (it was refused)."""
+        self._live.pop((generation.caller, generation.request_id), None)
+
+    def attach(self, generation: _Generation, listener: EventSink) -> Subscription:
+        """Let `listener` hear `generation`: what happened so far, then the rest as it comes. The
+        catch-up is delivered on the next turn of the event loop, after the caller's own reply to
+        the request (a stream's `queued` event) has gone out."""
+        number = next(self._listeners)
+
+        def join() -> None:
+            for event in generation.so_far():
+                listener(event)
+            if generation.completed is None and (generation.caller, generation.request_id) in self._live:
+                generation.listeners[number] = listener
+
+        asyncio.get_running_loop().call_soon(join)
+        return Subscription(self, generation, number)
+
+    def stop(self, generation: _Generation, listener: int, reason: AbortReason) -> None:
+        # A cancel ends the generation for everyone, the canceller included (it hears the
+        # cancelled completion); a call that went away only lets go of it, and the generation
+        # stops when nobody is left listening.
+        if reason is not AbortReason.CANCELLED:
+            generation.listeners.pop(listener, None)
+        if generation.engine is None or generation.completed is not None:
+            return
+        if reason is AbortReason.CANCELLED or not generation.listeners:
+            generation.engine.abort(generation.key, reason)
+
+    def _deliver(self, generation: _Generation, event: EngineEvent) -> None:
+        if isinstance(event, Started):
+            generation.started = event
+        elif isinstance(event, TokensGenerated):
+            generation.token_ids.extend(event.token_ids)
+            generation.text.append(event.text)
+            generation.logprobs.extend(event.logprobs)
+        for listener in list(generation.listeners.values()):
+            listener(event)
+        if isinstance(event, Completed | Failed):
+            self._live.pop((generation.caller, generation.request_id), None)
+            generation.listeners.clear()
+            if isinstance(event, Completed) and event.result.finish_reason in _NATURAL_ENDS:
+                self._keep(generation, event)
+
+    def _keep(self, generation: _Generation, completed: Completed) -> None:
+        if self._retention <= 0:
+            return
+        result = completed.result
+        generation.completed = completed
+        generation.token_ids, generation.text, generation.logprobs = [], [], []
+        generation.started = Started(result.timing.queued, result.prompt_tokens)
+        # The result holds the text, the ids and the logprobs; count them with some overhead.
+        generation.size = 512 + 4 * len(result.text) + 32 * len(result.token_ids) + 256 * len(result.logprobs)
+        if generation.size > self._max_bytes:
+            return
+        generation.finished_at = self._clock()
+        key = (generation.caller, generation.request_id)
+        self._kept[key] = generation
+        self._kept_bytes += generation.size
+        while self._kept_bytes > self._max_bytes:
+            _, oldest = self._kept.popitem(last=False)
+            self._kept_bytes -= oldest.size
+
+    def _expire(self) -> None:
+        cutoff = self._clock() - self._retention
+        while self._kept:
+            key, oldest = next(iter(self._kept.items()))
+            if oldest.finished_at > cutoff:
+                return
+            del self._kept[key]
+            self._kept_bytes -= oldest.size

@@ -1,0 +1,86 @@
+"""How long and how much the generation registry keeps: a manual clock and hand-fed engine events.
+
+No server here: what is checked is the registry's bookkeeping (expiry by time, eviction by
+memory, what is never kept), which the real-server tests in test_request_ids.py cannot reach
+without waiting minutes or filling megabytes.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.fake_runner import ManualClock
+from tokenwire.server.api.request_ids import GenerationRegistry
+from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.types import (
+    Completed,
+    EngineEvent,
+    Failed,
+    FinishReason,
+    GenerationResult,
+    Started,
+    TimingReport,
+    TokensGenerated,
+)
+
+TIMING = TimingReport(queued=0.01, total=0.5)
+
+
+def run(
+    registry: GenerationRegistry, request_id: str, finish: FinishReason, tokens: int = 3
+) -> list[EngineEvent]:
+    heard: list[EngineEvent] = []
+    generation, _ = registry.begin("caller", request_id, b"body", heard.append)
+    deliver = registry.deliver_to(generation)
+    deliver(Started(0.01, 4))
+    deliver(TokensGenerated(tuple(range(tokens)), "x" * tokens))
+    deliver(
+        Completed(GenerationResult(request_id, "m", "x" * tokens, tuple(range(tokens)), finish, 4, TIMING))
+    )
+    return heard
+
+
+def test_a_result_is_kept_for_the_retention_and_then_forgotten() -> None:
+    clock = ManualClock()
+    registry = GenerationRegistry(retention=60.0, max_bytes=1 << 20, clock=clock)
+    heard = run(registry, "a", FinishReason.EOS)
+    assert [type(e).__name__ for e in heard] == ["Started", "TokensGenerated", "Completed"]
+    clock.advance(59.0)
+    assert registry.find("caller", "a", b"body") is not None
+    assert registry.find("someone-else", "a", b"body") is None
+    clock.advance(2.0)
+    assert registry.find("caller", "a", b"body") is None
+    assert registry.kept_count == 0
+
+
+def test_the_oldest_results_go_first_when_memory_runs_out() -> None:
+    clock = ManualClock()
+    registry = GenerationRegistry(retention=600.0, max_bytes=4000, clock=clock)
+    for name in ("a", "b", "c", "d"):
+        run(registry, name, FinishReason.LENGTH, tokens=20)  # about 1,200 bytes each
+        clock.advance(1.0)
+    assert registry.find("caller", "a", b"body") is None
+    assert all(registry.find("caller", name, b"body") is not None for name in ("b", "c", "d"))
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+def test_a_cancelled_or_failed_generation_is_not_kept(ending: str) -> None:
+    registry = GenerationRegistry(retention=600.0, max_bytes=1 << 20, clock=ManualClock())
+    if ending == "cancelled":
+        run(registry, "a", FinishReason.CANCELLED)
+    else:
+        generation, _ = registry.begin("caller", "a", b"body", lambda event: None)
+        registry.deliver_to(generation)(
+            Failed(GenerationError(ErrorKind.INTERNAL, "model failure"), TIMING, prompt_tokens=4)
+        )
+    assert registry.find("caller", "a", b"body") is None
+    assert registry.live_count == 0 and registry.kept_count == 0
+
+
+def test_a_different_body_under_a_kept_id_is_already_exists() -> None:
+    registry = GenerationRegistry(retention=600.0, max_bytes=1 << 20, clock=ManualClock())
+    run(registry, "a", FinishReason.STOP)
+    with pytest.raises(GenerationError) as refused:
+        registry.find("caller", "a", b"another body")
+    assert refused.value.kind is ErrorKind.ALREADY_EXISTS
+    assert [v.field for v in refused.value.violations] == ["request_id"]
