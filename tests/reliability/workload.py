@@ -121,7 +121,8 @@ def make_request(index: int, seed: int, *, cancel_fraction: float = 0.0) -> Load
             timeout=timeout,
         )
         cancel = rng.randint(0, 3) if api != "unary" and rng.random() < cancel_fraction else None
-        specs.append(GenerationSpec(f"r{index}.{part}", prompt, options, cancel))
+        # The seed keeps ids unique across mixes on one server: ids are idempotent per caller.
+        specs.append(GenerationSpec(f"s{seed}-r{index}.{part}", prompt, options, cancel))
     call_deadline = 0.02 if api == "unary" and rng.random() < 0.05 else None
     return LoadRequest(index, api, tuple(specs), call_deadline)
 
