@@ -101,7 +101,7 @@ def main() -> None:
 
     directory = benchkit.model_dir()
     workloads = [
-        Workload("system prompt", LoadLevel("concurrency", 1), 20, 16, shared_prefix=1000, requests=8),
+        Workload("system prompt", LoadLevel("concurrency", 1), 20, 16, shared_prefix=1000, requests=6),
         Workload("8-turn chat", LoadLevel("concurrency", 1), 20, 32, chat_turns=8, requests=16),
         Workload("no sharing", LoadLevel("concurrency", 8), 100, 128, duration=args.duration),
     ]

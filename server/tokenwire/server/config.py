@@ -218,7 +218,7 @@ class ServerSettings:
     )
     max_step_ms: float = setting(
         0.0,
-        "stall-free target for one round in ms (0: 2.5 times the measured decode step)",
+        "stall-free target for one round in ms (0: twice the measured decode step)",
         group=ENGINE,
         minimum=0,
     )

@@ -196,7 +196,7 @@ def test_without_stall_free_pacing_a_long_prompt_gets_one_chunk_per_round() -> N
 
 # -- stall-free pacing -------------------------------------------------------------------------
 # A decode step takes 20 ms and a prompt token 1 ms on the manual clock (plus no fixed cost),
-# so the automatic target is 2.5 steps, 50 ms: 30 prompt tokens and one step per round.
+# so the automatic target is 2 steps, 40 ms: 20 prompt tokens and one step per round.
 
 DECODE = 0.020
 TOKEN_COST = 0.001
@@ -236,10 +236,10 @@ def test_while_a_stream_decodes_each_round_keeps_to_the_step_target() -> None:
     rounds = []
     while b.events.tokens("long") == 0:
         rounds.append(run_round_timed(b))
-    # Each round: 30 prompt tokens (50 ms target - 20 ms step) and the stream's step.
-    assert [len(calls) for _, calls, _ in rounds] == [1] * len(rounds) == [1] * 10
-    assert [calls[0].tokens for _, calls, _ in rounds] == [30] * 10
-    assert all(seconds == pytest.approx(2.5 * DECODE) for seconds, _, _ in rounds)
+    # Each round: 20 prompt tokens (40 ms target - 20 ms step) and the stream's step.
+    assert [len(calls) for _, calls, _ in rounds] == [1] * len(rounds) == [1] * 15
+    assert [calls[0].tokens for _, calls, _ in rounds] == [20] * 15
+    assert all(seconds == pytest.approx(2 * DECODE) for seconds, _, _ in rounds)
     assert all(steps == 1 for _, _, steps in rounds)  # the running stream got a token every round
     assert {call.seq_id for _, calls, _ in rounds for call in calls} == {long.key}
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-AUTO_STEP_FACTOR = 2.5
+AUTO_STEP_FACTOR = 2.0
 """With no fixed target, a round may take this many decode steps' time (prompt work included)."""
 MIN_PACED_CHUNK = 16
 """Prompt tokens a round processes at least, so a prompt always progresses, however slow the step."""
