@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -215,14 +214,6 @@ def main() -> None:
     out = benchkit.save_results("stall_free", data)
     print(f"\nresults: {out.relative_to(benchkit.REPO)}")
     chart(data, workloads, RESULTS / "stall_free.png")
-    (RESULTS / "stall_free_requests.json").write_text(
-        json.dumps(
-            {
-                f"{w}|{s}": [[r.first_token, list(r.token_gaps)] for r in v.records if r.outcome == "ok"]
-                for (w, s), v in runs.items()
-            }
-        )
-    )
 
 
 def chart(data: dict[str, Any], workloads: list[Workload], path: Path) -> None:
