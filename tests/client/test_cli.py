@@ -137,6 +137,22 @@ async def test_prompt_goes_through_the_chat_template_unless_raw_is_asked_for(
     assert f"prefill of {prompt_tokens} prompt tokens" in err
 
 
+async def test_the_timeline_shows_prompt_tokens_taken_from_the_prefix_cache(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    prompt = "A prompt long enough for three cache blocks, sent twice by this test."
+    argv = ("generate", "--server", f"127.0.0.1:{server.port}", "--stream", "--raw", "--max-new-tokens", "4")
+    code, _, first = await run_cli(capsys, *argv, prompt)
+    assert code == 0 and "prefix cache" not in first
+    code, _, second = await run_cli(capsys, *argv, prompt)
+    assert code == 0
+    found = re.search(r"prefill of (\d+) prompt tokens: [\d.]+ ms; (\d+) more from the prefix cache", second)
+    assert found is not None, second
+    processed, cached = int(found.group(1)), int(found.group(2))
+    assert cached > 0 and cached % 16 == 0
+    assert f"prefill of {processed + cached} prompt tokens" in first
+
+
 async def test_models_lists_the_served_model(
     server: TokenwireServer, capsys: pytest.CaptureFixture[str]
 ) -> None:
