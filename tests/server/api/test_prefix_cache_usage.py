@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from pathlib import Path
 
 import pytest
@@ -49,3 +50,23 @@ async def test_a_repeated_prefix_is_reported_as_cached_and_changes_no_output(
     assert metrics.value("tokenwire_engine_prefix_cache_size_bytes", **BY_MODEL) > 0
     assert metrics.value("tokenwire_engine_prefix_cache_capacity_bytes", **BY_MODEL) == 256 * 2**20
     assert metrics.value("tokenwire_server_prefill_paced_duration_seconds_count", **BY_MODEL) == 2
+
+
+async def test_streams_decoding_while_long_prompts_are_paced_all_finish_in_full(tiny_llama_dir: Path) -> None:
+    settings = tiny_settings(tiny_llama_dir, stall_free=True, prefill_chunk_size=64, prefix_cache_mb=0)
+    async with (
+        serving(settings) as server,
+        AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client,
+    ):
+        running = asyncio.create_task(client.generate([40, 41, 42], greedy(60)))
+        prompts = [[(i * 7 + k) % 400 + 40 for i in range(150)] for k in range(3)]
+        paced = await asyncio.gather(*(client.generate(p, greedy(10)) for p in prompts))
+        first = await running
+    assert first.completion_tokens == 60
+    for result in paced:
+        assert result.completion_tokens == 10 and result.prompt_tokens == 150
+        timing = result.timing
+        assert timing.paced is not None and timing.prefill is not None
+        assert timing.queued + timing.paced + timing.prefill == pytest.approx(
+            timing.time_to_first_token, abs=3e-9
+        )
