@@ -15,6 +15,7 @@ from tests.support.prometheus import scrape
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
 from tokenwire.client import AsyncClient, Completed, GenerateOptions, Sampling, TokenwireError
+from tokenwire.server.api.stream_limits import StreamLimits
 from tokenwire.server.config import TelemetrySettings
 
 MODEL = "tiny"
@@ -118,7 +119,14 @@ async def test_gauges_show_the_queue_and_the_running_batch(tiny_model_dir: Path)
 
 async def test_every_outcome_is_counted_once_where_it_happens(tiny_model_dir: Path) -> None:
     gate = StepGate()
-    settings = tiny_settings(tiny_model_dir, max_batch_size=1, max_queue_size=1, telemetry=with_metrics())
+    settings = tiny_settings(
+        tiny_model_dir,
+        max_batch_size=1,
+        max_queue_size=1,
+        telemetry=with_metrics(),
+        # "running" may still be waiting for its slot when "queued" arrives on the same stream.
+        stream=StreamLimits(max_queued_per_stream=2),
+    )
     codes: list[grpc.StatusCode] = []
     async with serving(settings, gate=gate) as server:
         assert server.metrics_port
