@@ -369,7 +369,9 @@ async def rerun_through_the_other_api(client: AsyncClient, outcome: GenerationOu
     """The tokens of the same seeded generation, asked alone through the other method.
 
     A generation that completed under load as a stream is asked again with unary Generate and
-    vice versa; per-request deadlines are dropped, since only the tokens are compared.
+    vice versa; per-request deadlines are dropped, since only the tokens are compared. The rerun is
+    a new request, so it takes a new id: reusing the original's would meet the server's idempotent
+    id table, which refuses an id reused for a request that differs (here, by its deadline).
     """
     spec = outcome.spec
     options = replace(spec.options, timeout=None)
@@ -377,7 +379,7 @@ async def rerun_through_the_other_api(client: AsyncClient, outcome: GenerationOu
         generation = await client.generate(spec.prompt, options)
         return generation.token_ids
     tokens: list[int] = []
-    async for event in client.stream(spec.prompt, options, request_id=spec.request_id):
+    async for event in client.stream(spec.prompt, options, request_id=f"{spec.request_id}-rerun"):
         if isinstance(event, Chunk):
             tokens.extend(event.token_ids)
         elif isinstance(event, Failed):
