@@ -104,3 +104,34 @@ def test_kv_bytes_per_token_matches_the_rows_read(model_dir: Path) -> None:
     runner.prefill(1, PROMPT[:10], start=0)
     rows = rows_of(runner).read_kv(1, 2, 9)
     assert rows.nbytes == 7 * rows_of(runner).kv_bytes_per_token()
+
+
+def test_a_decoding_sequence_swapped_out_and_back_in_decodes_on_as_if_it_had_stayed(model_dir: Path) -> None:
+    alone = load(model_dir)
+    expected = greedy(alone, 1, alone.prefill(1, PROMPT, start=0), 2 * STEPS)
+
+    runner = load(model_dir)
+    first = runner.prefill(1, PROMPT, start=0)
+    runner.prefill(2, PROMPT[:20], start=0)  # a neighbour in the batch throughout
+    got = [first.copy()]
+    neighbour = 5
+    for _ in range(STEPS):
+        logits = runner.decode([1, 2], [int(got[-1].argmax()), neighbour])
+        got.append(logits[0].copy())
+    # Swapped out mid-decode: the prompt's rows and every decoded position's.
+    rows = rows_of(runner).read_kv(1, 0, len(PROMPT) + STEPS)
+    runner.release(1)
+    runner.decode([2], [neighbour])
+    # The runner's copy of the rows must outlive the caller's, which it drops at once.
+    assert rows_of(runner).start_from_kv(1, [rows.copy()]) == len(PROMPT) + STEPS
+    del rows
+    for _ in range(STEPS):
+        logits = runner.decode([2, 1], [neighbour, int(got[-1].argmax())])
+        got.append(logits[1].copy())
+
+    exact = runner.info.format == "genai"
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        if exact:
+            assert np.array_equal(a, b), f"step {step}"
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"step {step}")

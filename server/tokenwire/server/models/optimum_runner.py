@@ -169,11 +169,24 @@ class OptimumRunner:
         return len(self._past_names) * layout.kv_heads * layout.head_dim * layout.kv_dtype.itemsize
 
     def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
-        # A prompt's rows are read while it is still prefilling, before it joins the padded batch.
         state = self._prefilling.get(seq_id)
-        if state is None or not 0 <= start <= stop <= state.length:
-            raise ModelRunnerError(f"sequence {seq_id} has no prompt KV rows [{start}, {stop})")
-        return np.stack([value.numpy()[0, :, start:stop] for value in state.kv])
+        if state is not None:
+            # A prompt's rows, read while it is still prefilling, before it joins the padded batch.
+            if not 0 <= start <= stop <= state.length:
+                raise ModelRunnerError(f"sequence {seq_id} has no KV rows [{start}, {stop})")
+            return np.stack([value.numpy()[0, :, start:stop] for value in state.kv])
+        for batch in self._batches:
+            if seq_id not in batch.rows:
+                continue
+            # A decoding sequence's rows (a preemption swapping it out): its row of the batch,
+            # past the left padding.
+            row = batch.rows.index(seq_id)
+            length = int(batch.positions[row])
+            if not 0 <= start <= stop <= length:
+                break
+            offset = batch.mask.shape[1] - length
+            return np.stack([value.numpy()[row, :, offset + start : offset + stop] for value in batch.kv])
+        raise ModelRunnerError(f"sequence {seq_id} has no KV rows [{start}, {stop})")
 
     def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
         self.release(seq_id)
@@ -234,9 +247,12 @@ class OptimumRunner:
             for row, seq in kept:
                 length = int(batch.positions[row])
                 caches[seq] = [array[row, :, width - length :] for array in arrays]
-        for seq in wanted:
-            if seq not in caches:
-                caches[seq] = [value.numpy()[0] for value in self._prefilling.pop(seq).kv]
+        # A numpy view of an OrtValue does not keep the OrtValue's memory alive, and the cache of
+        # a sequence started from copied rows is numpy memory that its OrtValue alone holds: the
+        # joiners' states stay referenced here until their rows are copied into the new batches.
+        joiners = [self._prefilling.pop(seq) for seq in wanted if seq not in caches]
+        for seq, state in zip([s for s in wanted if s not in caches], joiners, strict=True):
+            caches[seq] = [value.numpy()[0] for value in state.kv]
         cohorts: dict[int, list[int]] = {}
         for seq in wanted:
             # Positions fed per row let rows of any length share one padded batch; positions
@@ -244,6 +260,7 @@ class OptimumRunner:
             key = 0 if self._layout.has_position_ids else caches[seq][0].shape[1]
             cohorts.setdefault(key, []).append(seq)
         self._batches = [self._padded(rows, caches) for rows in cohorts.values()]
+        del joiners  # only now may their memory go
 
     def _padded(self, rows: list[int], caches: dict[int, list[np.ndarray]]) -> _Batch:
         """One batch of `rows`, each left-padded to the longest."""

@@ -69,7 +69,8 @@ class ModelRunner(Protocol):
 
 @runtime_checkable
 class KvRowAccess(Protocol):
-    """A runner whose prompt KV rows can be copied out and back in, for prefix caching.
+    """A runner whose KV rows can be copied out and back in: for prefix caching, and to swap a
+    preempted sequence out of its slot and back in.
 
     Rows are one array [kv tensors, kv_heads, positions, head_dim] in the model's KV dtype. A
     sequence started from copied rows continues with `prefill(start=rows)` and decodes exactly
@@ -81,7 +82,8 @@ class KvRowAccess(Protocol):
         ...
 
     def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
-        """A copy of positions [start, stop) of a sequence's prompt, which must be processed."""
+        """A copy of positions [start, stop) of a sequence's cache, which must be processed
+        (prompt positions while it prefills, any cached position while it decodes)."""
         ...
 
     def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
