@@ -100,3 +100,56 @@ class FixedLogitsRunner:
     def _take_time(self) -> None:
         if self.clock is not None:
             self.clock.advance(self.step_seconds)
+
+
+@dataclass
+class RowCopyingRunner(FixedLogitsRunner):
+    """The fixed-logits runner with KV rows that can be copied out and back in (`KvRowAccess`),
+    as a host-memory cache allows: what preemption needs. Each sequence's row count is tracked,
+    so a read past what was processed, or a decode of a sequence without a slot, fails as a real
+    runner would."""
+
+    lengths: dict[int, int] = field(default_factory=dict)
+    reads: list[tuple[int, int, int]] = field(default_factory=list)
+    loads: list[tuple[int, int]] = field(default_factory=list)
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+        if self.lengths.get(seq_id, 0) != start:
+            raise RuntimeError(f"sequence {seq_id} continues a prefill out of order")
+        if start == 0 and len(self.lengths) >= self.slots:
+            raise RuntimeError("no free KV-cache slot")
+        self.lengths[seq_id] = start + len(token_ids)
+        return super().prefill(seq_id, token_ids, start=start)
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        missing = [s for s in seq_ids if s not in self.lengths]
+        if missing:
+            raise RuntimeError(f"sequences {missing} hold no slot")
+        for seq_id in seq_ids:
+            self.lengths[seq_id] += 1
+        return super().decode(seq_ids, token_ids)
+
+    def release(self, seq_id: int) -> None:
+        self.lengths.pop(seq_id, None)
+        super().release(seq_id)
+
+    def kv_bytes_per_token(self) -> int:
+        return 4
+
+    def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
+        if not 0 <= start <= stop <= self.lengths.get(seq_id, -1):
+            raise RuntimeError(f"sequence {seq_id} has no KV rows [{start}, {stop})")
+        self.reads.append((seq_id, start, stop))
+        # One position per row, holding its index: a load can be checked for order and count.
+        return np.arange(start, stop, dtype=np.float32).reshape(1, 1, stop - start, 1)
+
+    def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
+        rows = np.concatenate(blocks, axis=2) if len(blocks) > 1 else blocks[0]
+        length = int(rows.shape[2])
+        if not np.array_equal(rows.reshape(-1), np.arange(length, dtype=np.float32)):
+            raise RuntimeError("rows loaded out of order")
+        if seq_id not in self.lengths and len(self.lengths) >= self.slots:
+            raise RuntimeError("no free KV-cache slot")
+        self.lengths[seq_id] = length
+        self.loads.append((seq_id, length))
+        return length

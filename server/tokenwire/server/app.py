@@ -207,6 +207,7 @@ class TokenwireServer:
                     max_step_seconds=settings.max_step_ms / 1000 if settings.max_step_ms > 0 else None,
                     prefix_cache_bytes=settings.prefix_cache_mb * 2**20,
                     batch_reserved_slots=settings.batch_reserved_slots,
+                    preemption=settings.preemption,
                 ),
                 observer=self._observer,
                 check_accepting=self.lifecycle.check_accepting,

@@ -235,6 +235,13 @@ class ServerSettings:
         group=ENGINE,
         minimum=0,
     )
+    preemption: bool = setting(
+        True,
+        "when every slot is busy, swap a running generation out (KV rows copied aside, resumed later "
+        "with no token lost) for a more urgent request, or for a caller under its share of the slots "
+        "when another caller holds more; needs a KV cache in host memory",
+        group=ENGINE,
+    )
     result_retention: float = setting(
         300.0,
         "seconds a finished generation stays retrievable by a retry with the same caller and request_id "

@@ -44,6 +44,10 @@ class ObserverFanOut:
         for observer in self._observers:
             observer.prefill_chunk(model=model, tokens=tokens, seconds=seconds)
 
+    def preempted(self, *, model: str, caller: str) -> None:
+        for observer in self._observers:
+            observer.preempted(model=model, caller=caller)
+
     def occupancy(
         self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
     ) -> None:

@@ -23,7 +23,15 @@ from tests.support.polling import wait_until
 from tests.support.prometheus import scrape
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
-from tokenwire.client import AsyncClient, GenerateOptions, Generation, Priority, Stopping, TokenwireError
+from tokenwire.client import (
+    AsyncClient,
+    Chunk,
+    GenerateOptions,
+    Generation,
+    Priority,
+    Stopping,
+    TokenwireError,
+)
 from tokenwire.server.config import AuthSettings, TelemetrySettings
 from tokenwire.server.security.auth import load_token_callers
 from tokenwire.server.telemetry.logs import JsonFormatter
@@ -129,6 +137,57 @@ async def test_a_flooding_caller_is_refused_over_its_share_while_another_caller_
             gate.open()
             results: list[Generation] = await asyncio.gather(*flooding, *quiet_ones)
     assert all(r.completion_tokens == 4 for r in results)
+
+
+async def test_a_caller_holding_every_slot_gives_one_up_to_another_and_its_swapped_stream_loses_nothing(
+    tiny_model_dir: Path, tokens_file: Path
+) -> None:
+    gate = StepGate()
+    settings = tiny_settings(
+        tiny_model_dir, auth=auth(tokens_file), max_batch_size=2, telemetry=TelemetrySettings(metrics_port=0)
+    )
+    long = GenerateOptions(stopping=Stopping(24, ignore_eos=True))
+    prompts = ["Once upon a time", "The quick brown fox"]
+    async with serving(settings, gate=gate) as server:
+        engine = server.registry.default.engine
+        target = f"127.0.0.1:{server.port}"
+        async with (
+            AsyncClient(target, token=FLOOD_TOKEN, retries=False) as flood,
+            AsyncClient(target, token=QUIET_TOKEN, retries=False) as quiet,
+        ):
+            gate.open()
+            alone = [(await flood.generate(p, long)).token_ids for p in prompts]
+            gate.close()
+
+            streams = [flood.stream(p, long) for p in prompts]
+            streamed: list[list[int]] = [[], []]
+
+            async def read(index: int) -> None:
+                async for event in streams[index]:
+                    if isinstance(event, Chunk):
+                        streamed[index].extend(event.token_ids)
+
+            # One at a time, so both hold a slot and decode (first tokens out, steps at the gate):
+            # the first's decode step holds the engine until the gate lets one step through.
+            reading = [asyncio.ensure_future(read(0))]
+            await wait_until(lambda: bool(streamed[0]), what="the first flood stream to start")
+            reading.append(asyncio.ensure_future(read(1)))
+            await wait_until(lambda: engine.queue_depth == 1, what="the second flood stream to queue")
+            gate.allow(1)
+            await wait_until(lambda: bool(streamed[1]), what="the second flood stream to start")
+            asking = asyncio.ensure_future(quiet.generate("Hi", SHORT))
+            await wait_until(lambda: engine.queue_depth == 1, what="the quiet request to queue")
+            gate.allow(1)  # the step in progress ends; the next round swaps one flood stream out
+            await wait_until(lambda: engine.stats.preemptions == 1, what="a flood stream to be swapped out")
+            gate.open()
+            answer = await asking
+            await asyncio.gather(*reading)
+        body = await scrape(server.metrics_port)
+    assert answer.completion_tokens == 4
+    assert engine.stats.resumptions == 1
+    # Swapped out and back in, each stream still has every token once, the ones it had alone.
+    assert [tuple(tokens) for tokens in streamed] == alone
+    assert body.value("tokenwire_engine_preemptions_total", caller="flood", gen_ai_request_model="tiny") == 1
 
 
 async def test_priority_is_accepted_and_an_unknown_value_is_invalid_argument(tiny_model_dir: Path) -> None:

@@ -7,68 +7,11 @@ what a model computes), so "within one step" is an exact count of rounds.
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 import pytest
 
-from tests.support.fake_runner import FixedLogitsRunner, ManualClock
-from tokenwire.server.engine.engine import Engine, EngineConfig
+from tests.support.callers_harness import FLOOD, QUIET, Harness
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
-from tokenwire.server.engine.types import (
-    Caller,
-    Completed,
-    EngineEvent,
-    EventSink,
-    GenerationRequest,
-    Priority,
-    Started,
-    StopConditions,
-)
-from tokenwire.server.model_tools.tiny_tokenizer import build_byte_level_tokenizer
-from tokenwire.server.sampling.params import SamplingParams
-from tokenwire.server.text.tokenizer import Tokenizer
-
-TOKENIZER = Tokenizer(build_byte_level_tokenizer(300))
-TOKEN = TOKENIZER.encode("a", add_special_tokens=False)[0]
-FLOOD = Caller("flood")
-QUIET = Caller("quiet")
-
-
-class Harness:
-    def __init__(self, *, slots: int, queue: int, reserved: int = 1) -> None:
-        self.clock = ManualClock()
-        self.runner = FixedLogitsRunner(vocab_size=TOKENIZER.vocab_size, token=TOKEN, slots=slots)
-        config = EngineConfig(max_batch_size=slots, max_queue_size=queue, batch_reserved_slots=reserved)
-        self.engine = Engine(self.runner, TOKENIZER, config, clock=self.clock)
-        self.events: dict[str, list[EngineEvent]] = defaultdict(list)
-        self.started: list[str] = []
-
-    def submit(
-        self, request_id: str, caller: Caller, priority: Priority = Priority.DEFAULT, tokens: int = 50
-    ) -> None:
-        request = GenerationRequest(
-            request_id=request_id,
-            model="fake",
-            prompt_ids=(TOKEN,) * 4,
-            sampling=SamplingParams(),
-            stopping=StopConditions(max_new_tokens=tokens),
-            received_at=self.clock(),
-            caller=caller,
-            priority=priority,
-        )
-        self.engine.submit(request, self._sink(request_id))
-
-    def _sink(self, request_id: str) -> EventSink:
-        def receive(event: EngineEvent) -> None:
-            self.events[request_id].append(event)
-            if isinstance(event, Started):
-                self.started.append(request_id)
-
-        return receive
-
-    def rounds(self, count: int) -> None:
-        for _ in range(count):
-            self.engine.run_round()
+from tokenwire.server.engine.types import Caller, Completed, Priority
 
 
 def test_batch_work_never_holds_an_interactive_request_beyond_the_next_round() -> None:

@@ -24,7 +24,7 @@ import logging
 import math
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -89,6 +89,11 @@ class EngineConfig:
     """Prompt tokens per prefix-cache block: prefixes are reused in whole blocks."""
     batch_reserved_slots: int = 1
     """Slots BATCH requests leave to the others (at most all slots but one)."""
+    preemption: bool = True
+    """When every slot is busy and a waiting request is owed one, swap a running generation out
+    (its KV rows copied aside) and back in later: BATCH work for a more urgent request, or the
+    work of a caller holding more than its weighted share of the slots for a caller holding
+    less. Only where the runner can copy KV rows (a cache in host memory)."""
 
 
 @dataclass
@@ -116,6 +121,18 @@ class EngineStats:
     step_failures: int = 0
     prefill_tokens: int = 0
     """Prompt tokens the model processed (those copied from the prefix cache are not counted)."""
+    preemptions: int = 0
+    """Running generations swapped out of their slot for a request owed it."""
+    resumptions: int = 0
+    """Swapped-out generations swapped back in."""
+
+
+@dataclass
+class _SwappedOut:
+    """A preempted generation: its state, and its KV rows copied out of the slot it gave up."""
+
+    sequence: Sequence
+    rows: np.ndarray
 
 
 @dataclass
@@ -125,10 +142,17 @@ class _Waiting:
     sink: EventSink
     response_format: Future[CompiledFormat] | None = None
     """The request's compiled format, once a worker has it; the request waits until then."""
+    swapped: _SwappedOut | None = None
+    """Set for a started generation waiting to be swapped back into a slot."""
 
     @property
     def ready(self) -> bool:
         return self.response_format is None or self.response_format.done()
+
+    @property
+    def live(self) -> Sequence | _Waiting:
+        """What a finish ends: the generation itself once it has started."""
+        return self.swapped.sequence if self.swapped is not None else self
 
     @property
     def caller(self) -> Caller:
@@ -206,6 +230,8 @@ class Engine:
         self._stats = EngineStats()
         self._pacer = PrefillPacer(max_step_seconds=config.max_step_seconds)
         self._prefix_cache = _prefix_cache_for(runner, config)
+        self._swapper = _row_copier(runner) if config.preemption else None
+        self._swapped_out = 0
         if self._prefix_cache is not None:
             self._inbox.prefix_cache = self._prefix_cache.stats()
 
@@ -440,7 +466,13 @@ class Engine:
         def allowed(entry: _Waiting) -> bool:
             return entry.priority is not Priority.BATCH or batch_room > 0
 
+        preempted = self._preempt_for_next(allowed) if free == 0 else None
         with self._lock:
+            if preempted is not None:
+                owed, swapped = preempted
+                # The slot goes to the request it was freed for, which takes its caller's turn.
+                self._inbox.waiting.take(owed)
+                admitted.append(owed)
             while free > 0:
                 found = self._inbox.waiting.pop(allowed)
                 if found is None:
@@ -448,9 +480,15 @@ class Engine:
                 admitted.append(found)
                 free -= 1
                 batch_room -= found.priority is Priority.BATCH
+            if preempted is not None:
+                # Back at the head of its caller's line: it was already its caller's next.
+                self._inbox.waiting.push_front(swapped)
         now = self._clock()
         info = self._runner.info
         for entry in admitted:
+            if entry.swapped is not None:
+                self._swap_in(entry.swapped, now)
+                continue
             deadline = entry.request.deadline
             if deadline is not None and now >= deadline:
                 self._finish(entry, _deadline_error("in the queue"), now)
@@ -474,6 +512,91 @@ class Engine:
             )
             self._prefilling.append(sequence)
             self._emit(entry.sink, Started(now - entry.request.received_at, len(entry.request.prompt_ids)))
+
+    def _preempt_for_next(self, allowed: Callable[[_Waiting], bool]) -> tuple[_Waiting, _Waiting] | None:
+        """Swap one running generation out for the next waiting request owed a slot (see
+        `EngineConfig.preemption`): that request, still queued, and the swapped-out work, to queue
+        again; or None.
+
+        At most one a round, and at most as many swapped out at once as there are slots, which
+        bounds the copied rows to the KV cache's own size.
+        """
+        if self._swapper is None or self._swapped_out >= self._slots or not self._decoding:
+            return None
+        with self._lock:
+            waiting = self._inbox.waiting
+            queueing = {priority: waiting.callers_at(priority) for priority in Priority}
+
+            def owed(entry: _Waiting) -> bool:
+                return allowed(entry) and self._victim_for(entry, queueing[entry.priority]) is not None
+
+            # The next request in fair order among those owed a slot: a request of a caller at its
+            # share, even one ahead in the fair order, takes nothing from anyone.
+            candidate = waiting.peek(owed)
+        if candidate is None:
+            return None
+        victim = self._victim_for(candidate, queueing[candidate.priority])
+        assert victim is not None
+        try:
+            rows = self._swapper.read_kv(victim.key, 0, victim.cached_positions)
+        except Exception:
+            log.exception("swapping out request %s failed; it keeps its slot", victim.request.request_id)
+            return None
+        del self._decoding[victim.key]
+        self._runner.release(victim.key)
+        self._swapped_out += 1
+        self._stats.preemptions += 1
+        self._observer.preempted(model=self._model, caller=victim.request.caller.name)
+        log.debug(
+            "request %s of caller %s gave its slot to a request of caller %s",
+            victim.request.request_id,
+            victim.request.caller.name,
+            candidate.caller.name,
+        )
+        return candidate, _Waiting(victim.key, victim.request, victim.sink, swapped=_SwappedOut(victim, rows))
+
+    def _victim_for(self, candidate: _Waiting, queueing: dict[str, float]) -> Sequence | None:
+        """The running generation that owes `candidate` its slot, if one does: the cheapest to swap
+        (fewest cached positions) of the BATCH work when `candidate` is more urgent, else of the
+        caller furthest over its share at `candidate`'s priority, while `candidate`'s caller,
+        given the slot, would still hold no more than its own share (so two callers never take a
+        slot back and forth)."""
+        swappable = [s for s in self._decoding.values() if s.output_ids]
+        if candidate.priority is not Priority.BATCH:
+            batch = [s for s in swappable if s.request.priority is Priority.BATCH]
+            if batch:
+                return min(batch, key=lambda s: s.cached_positions)
+        level = candidate.priority
+        running = [s for s in [*self._prefilling, *self._decoding.values()] if s.request.priority is level]
+        held = Counter(s.request.caller.name for s in running)
+        weights = dict(queueing)
+        weights.update((s.request.caller.name, s.request.caller.weight) for s in running)
+        total = sum(weights.values())
+
+        def excess(name: str) -> float:
+            return held[name] - self._slots * weights[name] / total
+
+        if total <= 0 or excess(candidate.caller.name) + 1 > 0:
+            return None
+        over = [s for s in swappable if s.request.priority is level and excess(s.request.caller.name) > 0]
+        if not over:
+            return None
+        return min(over, key=lambda s: (-excess(s.request.caller.name), s.cached_positions))
+
+    def _swap_in(self, swapped: _SwappedOut, now: float) -> None:
+        """Give a preempted generation a slot again: its rows copied back, it decodes on."""
+        self._swapped_out -= 1
+        sequence = swapped.sequence
+        assert self._swapper is not None
+        try:
+            self._swapper.start_from_kv(sequence.key, [swapped.rows])
+        except Exception as error:
+            log.exception("swapping in request %s failed", sequence.request.request_id)
+            self._stats.step_failures += 1
+            self._finish(sequence, _model_error(error), now)
+            return
+        self._stats.resumptions += 1
+        self._decoding[sequence.key] = sequence
 
     def _prefill_budget(self) -> float:
         """Prompt tokens this round may process: unbounded when nothing decodes."""
@@ -651,9 +774,10 @@ class Engine:
                     self._prefilling.remove(live)
             if live is None:
                 with self._lock:
-                    live = next((w for w in self._inbox.waiting if w.key == abort.key), None)
-                    if live is not None:
-                        self._inbox.waiting.remove(live)
+                    entry = next((w for w in self._inbox.waiting if w.key == abort.key), None)
+                    if entry is not None:
+                        self._inbox.waiting.remove(entry)
+                        live = self._unqueued(entry)
             if live is not None:
                 self._count_abort(live, abort)
                 self._finish(live, _abort_ending(abort.reason, started=isinstance(live, Sequence)), now)
@@ -685,7 +809,15 @@ class Engine:
             for entry in late:
                 self._inbox.waiting.remove(entry)
         for entry in late:
-            self._finish(entry, _deadline_error("in the queue"), now)
+            live = self._unqueued(entry)
+            where = "during generation" if isinstance(live, Sequence) else "in the queue"
+            self._finish(live, _deadline_error(where), now)
+
+    def _unqueued(self, entry: _Waiting) -> Sequence | _Waiting:
+        """What ends when a waiting entry leaves the queue other than through a slot."""
+        if entry.swapped is not None:
+            self._swapped_out -= 1
+        return entry.live
 
     # -- finishing -------------------------------------------------------------------------------
 
@@ -743,7 +875,7 @@ class Engine:
             waiting = self._inbox.waiting.clear()
             self._stopping = True  # the thread is gone: refuse what it would never serve
         now = self._clock()
-        everything: list[Sequence | _Waiting] = [*self._prefilling, *self._decoding.values(), *waiting]
+        everything = [*self._prefilling, *self._decoding.values(), *(self._unqueued(w) for w in waiting)]
         for live in everything:
             try:
                 self._finish(live, error, now)
@@ -822,6 +954,15 @@ def _rows(runner: ModelRunner) -> KvRowAccess:
     # Only called with a prefix cache, which exists only for runners that copy rows.
     assert isinstance(runner, KvRowAccess)
     return runner
+
+
+def _row_copier(runner: ModelRunner) -> KvRowAccess | None:
+    """The runner as a copier of KV rows, where it can copy them (a cache in host memory)."""
+    if isinstance(runner, KvRowAccess) and runner.kv_bytes_per_token() > 0:
+        return runner
+    name = runner.info.name
+    log.info("preemption off for %s: its runner cannot copy KV rows (a KV cache on a device)", name)
+    return None
 
 
 def _abort_ending(reason: AbortReason, *, started: bool) -> FinishReason | GenerationError:

@@ -9,7 +9,8 @@ their order, except that a request that is not ready yet (its response format st
 lets the caller's next ready one go first.
 
 Also answers what admission control asks: how many requests a caller has queued and what its
-weighted share of the queue is among the callers queueing now.
+weighted share of the queue is among the callers queueing now; and what preemption asks: who
+would go next, and which callers are queueing at a priority.
 """
 
 from __future__ import annotations
@@ -67,35 +68,37 @@ class FairQueue(Generic[E]):
                 yield from queue
 
     def push(self, entry: E) -> None:
-        level = self._levels[entry.priority]
-        name = entry.caller.name
-        queue = level.queues.get(name)
-        if queue is None:
-            queue = level.queues[name] = deque()
-            level.passes[name] = level.virtual_time
-        queue.append(entry)
-        self._weights[name] = entry.caller.weight
-        self._queued[name] = self._queued.get(name, 0) + 1
-        self._size += 1
+        self._caller_queue(entry).append(entry)
+        self._count(entry)
+
+    def push_front(self, entry: E) -> None:
+        """Queue `entry` ahead of its caller's other requests (work taken back from a slot, which
+        was already its caller's next)."""
+        self._caller_queue(entry).appendleft(entry)
+        self._count(entry)
+
+    def peek(self, allowed: Callable[[E], bool] = lambda _: True) -> E | None:
+        """The entry `pop` would return, left in the queue."""
+        found = self._next(allowed)
+        return None if found is None else found[2]
 
     def pop(self, allowed: Callable[[E], bool] = lambda _: True) -> E | None:
         """The next ready entry that `allowed` accepts: most urgent priority first, then the
         caller with the lowest pass. None when no entry qualifies."""
-        for level in self._levels.values():
-            best: tuple[float, str, E] | None = None
-            for name, queue in level.queues.items():
-                if best is not None and level.passes[name] >= best[0]:
-                    continue
-                entry = next((e for e in queue if e.ready and allowed(e)), None)
-                if entry is not None:
-                    best = (level.passes[name], name, entry)
-            if best is not None:
-                pass_, name, entry = best
-                level.virtual_time = pass_
-                level.passes[name] = pass_ + 1.0 / max(entry.caller.weight, 1e-6)
-                self._discard(level, name, entry)
-                return entry
-        return None
+        found = self._next(allowed)
+        if found is None:
+            return None
+        self.take(found[2])
+        return found[2]
+
+    def take(self, entry: E) -> None:
+        """Remove `entry` as if `pop` had returned it: its caller's turn is used up."""
+        level = self._levels[entry.priority]
+        name = entry.caller.name
+        pass_ = level.passes[name]
+        level.virtual_time = max(level.virtual_time, pass_)
+        level.passes[name] = pass_ + 1.0 / max(entry.caller.weight, 1e-6)
+        self._discard(level, name, entry)
 
     def remove(self, entry: E) -> None:
         level = self._levels[entry.priority]
@@ -118,12 +121,48 @@ class FairQueue(Generic[E]):
     def queued_by(self, caller: str) -> int:
         return self._queued.get(caller, 0)
 
+    def callers_at(self, priority: Priority) -> dict[str, float]:
+        """The weight of each caller with a ready request queued at `priority`."""
+        return {
+            name: queue[0].caller.weight
+            for name, queue in self._levels[priority].queues.items()
+            if any(e.ready for e in queue)
+        }
+
     def share(self, caller: Caller, capacity: int) -> float:
         """`caller`'s weighted part of `capacity` among the callers queueing now and itself."""
         weights = dict(self._weights)
         weights[caller.name] = caller.weight
         total = sum(weights.values())
         return capacity * caller.weight / total if total > 0 else float(capacity)
+
+    def _next(self, allowed: Callable[[E], bool]) -> tuple[_Level[E], str, E] | None:
+        for level in self._levels.values():
+            best: tuple[float, str, E] | None = None
+            for name, queue in level.queues.items():
+                if best is not None and level.passes[name] >= best[0]:
+                    continue
+                entry = next((e for e in queue if e.ready and allowed(e)), None)
+                if entry is not None:
+                    best = (level.passes[name], name, entry)
+            if best is not None:
+                return level, best[1], best[2]
+        return None
+
+    def _caller_queue(self, entry: E) -> deque[E]:
+        level = self._levels[entry.priority]
+        name = entry.caller.name
+        queue = level.queues.get(name)
+        if queue is None:
+            queue = level.queues[name] = deque()
+            level.passes[name] = level.virtual_time
+        return queue
+
+    def _count(self, entry: E) -> None:
+        name = entry.caller.name
+        self._weights[name] = entry.caller.weight
+        self._queued[name] = self._queued.get(name, 0) + 1
+        self._size += 1
 
     def _discard(self, level: _Level[E], name: str, entry: E) -> None:
         queue = level.queues[name]

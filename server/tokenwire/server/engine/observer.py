@@ -29,6 +29,9 @@ class EngineObserver(Protocol):
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         """One prompt chunk was processed."""
 
+    def preempted(self, *, model: str, caller: str) -> None:
+        """A running generation of `caller` was swapped out of its slot for a request owed it."""
+
     def occupancy(
         self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
     ) -> None:
@@ -59,6 +62,9 @@ class NullObserver:
         return None
 
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
+        return None
+
+    def preempted(self, *, model: str, caller: str) -> None:
         return None
 
     def occupancy(

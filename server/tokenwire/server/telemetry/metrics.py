@@ -29,6 +29,7 @@ REQUESTS = "tokenwire.server.requests"
 PROMPT_TOKENS = "tokenwire.server.prompt_tokens"
 GENERATED_TOKENS = "tokenwire.server.generated_tokens"
 DECODE_STEPS = "tokenwire.engine.decode_steps"
+PREEMPTIONS = "tokenwire.engine.preemptions"
 QUEUE_DEPTH = "tokenwire.engine.queue.depth"
 BATCH_SIZE = "tokenwire.engine.batch.size"
 KV_CACHE_USAGE = "tokenwire.engine.kv_cache.usage"
@@ -149,6 +150,14 @@ class ServerMetrics:
         self._decode_steps = meter.create_counter(
             DECODE_STEPS, unit="{step}", description="Batched decode steps the engine ran."
         )
+        self._preemptions = meter.create_counter(
+            PREEMPTIONS,
+            unit="{request}",
+            description=(
+                "Running generations swapped out of their slot for a request owed it, "
+                "by the caller that gave it up."
+            ),
+        )
         meter.create_observable_gauge(
             QUEUE_DEPTH,
             callbacks=[self._observe_queue_depth],
@@ -239,6 +248,9 @@ class ServerMetrics:
 
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         return None
+
+    def preempted(self, *, model: str, caller: str) -> None:
+        self._preemptions.add(1, {MODEL: model, CALLER: caller})
 
     def occupancy(
         self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
