@@ -102,3 +102,43 @@ def test_shares_split_the_queue_by_weight_among_the_callers_queueing() -> None:
     queue.push(Entry("f", FLOOD))
     assert queue.share(SEARCH, 64) == 48
     assert queue.queued_by("search") == 1
+
+
+def test_peek_names_what_pop_returns_and_leaves_it_queued() -> None:
+    queue: FairQueue[Entry] = FairQueue()
+    for i in range(3):
+        queue.push(Entry(f"r{i}", REPORTS))
+        queue.push(Entry(f"f{i}", FLOOD))
+    only_flood = lambda e: e.caller is FLOOD  # noqa: E731
+    peeked = queue.peek(only_flood)
+    assert peeked is not None and peeked.name == "f0"
+    assert len(queue) == 6
+    assert queue.pop(only_flood) is peeked
+
+
+def test_taking_an_entry_out_of_turn_uses_its_caller_s_turn() -> None:
+    queue: FairQueue[Entry] = FairQueue()
+    entries = {}
+    for i in range(4):
+        for caller in (REPORTS, FLOOD):
+            entries[f"{caller.name[0]}{i}"] = entry = Entry(f"{caller.name[0]}{i}", caller)
+            queue.push(entry)
+    queue.take(entries["f0"])  # flood's turn, taken before reports had its own
+    assert drain(queue)[:3] == ["r0", "r1", "f1"]
+
+
+def test_work_pushed_back_to_the_front_goes_before_its_caller_s_other_requests() -> None:
+    queue: FairQueue[Entry] = FairQueue()
+    queue.push(Entry("f1", FLOOD))
+    queue.push_front(Entry("f0", FLOOD))
+    assert drain(queue) == ["f0", "f1"]
+    assert queue.queued_by("flood") == 0
+
+
+def test_callers_at_a_priority_are_those_with_a_ready_request_there() -> None:
+    queue: FairQueue[Entry] = FairQueue()
+    queue.push(Entry("s", SEARCH))
+    queue.push(Entry("r", REPORTS, ready=False))
+    queue.push(Entry("f", FLOOD, Priority.BATCH))
+    assert queue.callers_at(Priority.DEFAULT) == {"search": 3}
+    assert queue.callers_at(Priority.BATCH) == {"flood": 1}
