@@ -41,13 +41,23 @@ class Harness:
         reserved: int = 1,
         copies_rows: bool = False,
         preemption: bool = True,
+        prompt_tokens: int = 4,
+        chunk: int = 256,
     ) -> None:
+        """`chunk` with stall-free pacing off: while anything decodes, one chunk of prompt work a
+        round, so prompts of `prompt_tokens` longer than it take several rounds."""
         self.clock = ManualClock()
         runner_type = RowCopyingRunner if copies_rows else FixedLogitsRunner
         self.runner = runner_type(vocab_size=TOKENIZER.vocab_size, token=TOKEN, slots=slots)
         config = EngineConfig(
-            max_batch_size=slots, max_queue_size=queue, batch_reserved_slots=reserved, preemption=preemption
+            max_batch_size=slots,
+            max_queue_size=queue,
+            batch_reserved_slots=reserved,
+            preemption=preemption,
+            prefill_chunk_size=chunk,
+            stall_free=chunk >= 256,
         )
+        self.prompt_tokens = prompt_tokens
         self.engine = Engine(self.runner, TOKENIZER, config, clock=self.clock)
         self.events: dict[str, list[EngineEvent]] = defaultdict(list)
         self.started: list[str] = []
@@ -65,7 +75,7 @@ class Harness:
         request = GenerationRequest(
             request_id=request_id,
             model="fake",
-            prompt_ids=(TOKEN,) * 4,
+            prompt_ids=(TOKEN,) * self.prompt_tokens,
             sampling=SamplingParams(),
             stopping=StopConditions(max_new_tokens=tokens),
             received_at=self.clock(),

@@ -99,3 +99,19 @@ def test_requests_of_every_caller_still_complete() -> None:
     h.rounds(40)
     done = {rid for rid, events in h.events.items() if isinstance(events[-1], Completed)}
     assert done == {f"f{i}" for i in range(4)} | {f"q{i}" for i in range(4)}
+
+
+def test_a_quieter_caller_s_prompt_is_worked_on_before_a_flood_s_prompts_that_came_first() -> None:
+    h = Harness(slots=4, queue=16, prompt_tokens=16, chunk=4)
+    for i in range(3):
+        h.submit(f"f{i}", FLOOD, tokens=100)
+    h.rounds(1)  # f0 prefilled at full speed; f1 and f2 then get one chunk a round
+    assert h.tokens_of("f0") > 0 and h.tokens_of("f1") == h.tokens_of("f2") == 0
+    calls_before = len(h.runner.prefills)
+    h.submit("q0", QUIET, tokens=2)
+    h.rounds(4)
+    since = [(c.seq_id, c.start) for c in h.runner.prefills[calls_before:]]
+    # All four of its chunks, one a round, ahead of the flood's unfinished prompts.
+    assert since == [(h.keys["q0"], start) for start in (0, 4, 8, 12)]
+    assert h.tokens_of("q0") == 2  # its first token at the last chunk, its second that round
+    assert h.tokens_of("f1") == h.tokens_of("f2") == 0

@@ -606,14 +606,27 @@ class Engine:
         tokens = self._pacer.budget(decoding=decoding).tokens
         return math.inf if tokens is None else tokens
 
+    def _next_prompt(self) -> Sequence:
+        """The prompt that gets the round's prompt budget next.
+
+        The most urgent priority first; within it, the prompt of the caller holding the fewest
+        slots for its weight, so a flood's prompts never make a quieter caller's first token
+        wait for theirs; among equals, first come, first served, which lets a prompt reuse the
+        prefix a prompt ahead of it has just cached. A prompt set aside keeps what it has done.
+        """
+        held = Counter(s.request.caller.name for s in [*self._prefilling, *self._decoding.values()])
+
+        def order(sequence: Sequence) -> tuple[int, float]:
+            caller = sequence.request.caller
+            return sequence.request.priority.value, held[caller.name] / max(caller.weight, 1e-6)
+
+        return min(self._prefilling, key=order)  # min keeps the first of equals
+
     def _run_prefill(self) -> None:
-        # Prompts are worked on first come, first served: the head of the line gets the round's
-        # budget, and a prompt behind it starts only when the head is done. That is also what
-        # lets a prompt reuse the prefix a prompt ahead of it has just cached.
         budget = self._prefill_budget()
         chunk_size = self._config.prefill_chunk_size
         while self._prefilling and budget > 0:
-            sequence = self._prefilling[0]
+            sequence = self._next_prompt()
             own_work_began = self._clock()
             if sequence.prefix_lease is None and self._prefix_cache is not None:
                 self._load_cached_prefix(sequence, self._prefix_cache)
@@ -626,7 +639,7 @@ class Engine:
             except Exception as error:
                 log.exception("prefill failed for request %s", sequence.request.request_id)
                 self._stats.step_failures += 1
-                self._prefilling.popleft()
+                self._prefilling.remove(sequence)
                 self._finish(sequence, _model_error(error), self._clock())
                 continue
             now = self._clock()
@@ -644,7 +657,7 @@ class Engine:
             # The prompt's own work: its model call and its cache copies, in and out.
             sequence.prefill_seconds += now - own_work_began
             if sequence.prefill_done:
-                self._prefilling.popleft()
+                self._prefilling.remove(sequence)
                 # Join the decoding set first: _accept_tokens removes it again if it already ended.
                 self._decoding[sequence.key] = sequence
                 self._accept_tokens([sequence], logits[np.newaxis, :], now)
