@@ -9,9 +9,12 @@ request as each one ends or is refused (after 20 ms), while "quiet" repeats its 
 prompt opens with its own tag ("[quiet 7] ..."), so no request finds another's prompt in the
 prefix cache: each TTFT includes its whole prefill.
 
-The same runs on two servers side by side, one as shipped (preemption on: a caller under its
-share of the slots takes one from a caller over its share at the next step) and one with
-`--no-preemption` (the quiet caller waits for one of the flood's generations to end). The server
+The same runs on servers side by side: as shipped (preemption on: a caller under its share of
+the slots takes one from a caller over its share at the next step), with `--no-preemption` (the
+quiet caller waits for one of the flood's generations to end), with `--no-stall-free`, and as
+shipped with the flood's client moved to a process of its own at the lowest CPU priority (on one
+machine, the nearest thing to a caller elsewhere: its client's work stops competing with the
+model for the cores; the server's work on the flood's requests still does). The server
 measures every TTFT; the script reports the quiet caller's p50 and p99 in both phases, the ratio
 of the p99s (target: at most 2), and how the flood's requests ended.
 
@@ -24,9 +27,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import multiprocessing
+import os
 import statistics
 import tempfile
 from collections import Counter
+from collections.abc import Callable
+from multiprocessing.queues import Queue
+from multiprocessing.synchronize import Event as EventType
 from pathlib import Path
 
 import benchkit
@@ -64,21 +72,25 @@ class Prompts:
         return [int(t) for t in tag] + self._passage[: PROMPT_TOKENS - len(tag)]
 
 
-async def quiet_phase(target: str, prompts: Prompts, count: int) -> list[float]:
-    ttfts = []
+async def quiet_phase(target: str, prompts: Prompts, count: int) -> dict[str, list[float]]:
+    """The quiet caller's TTFTs, and their parts (queued, paced, prefill), in ms."""
+    parts: dict[str, list[float]] = {"ttft": [], "queued": [], "paced": [], "prefill": []}
     async with AsyncClient(target, token=QUIET_TOKEN, retries=False) as client:
         for _ in range(count):
-            result = await client.generate(prompts.next("quiet"), OPTIONS, deadline=120)
-            assert result.timing.time_to_first_token is not None
-            ttfts.append(result.timing.time_to_first_token * 1000)
-    return ttfts
+            timing = (await client.generate(prompts.next("quiet"), OPTIONS, deadline=120)).timing
+            assert timing.time_to_first_token is not None
+            parts["ttft"].append(timing.time_to_first_token * 1000)
+            parts["queued"].append(timing.queued * 1000)
+            parts["paced"].append((timing.paced or 0.0) * 1000)
+            parts["prefill"].append((timing.prefill or 0.0) * 1000)
+    return parts
 
 
-async def flood(target: str, prompts: Prompts, stop: asyncio.Event, outcomes: Counter[str]) -> None:
+async def flood(target: str, prompts: Prompts, stop: Callable[[], bool], outcomes: Counter[str]) -> None:
     async with AsyncClient(target, token=FLOOD_TOKEN, retries=False) as client:
 
         async def one_lane() -> None:
-            while not stop.is_set():
+            while not stop():
                 try:
                     await client.generate(prompts.next("flood"), OPTIONS, deadline=120)
                     outcomes["ok"] += 1
@@ -86,26 +98,53 @@ async def flood(target: str, prompts: Prompts, stop: asyncio.Event, outcomes: Co
                     outcomes[error.reason or error.code.name] += 1
                     await asyncio.sleep(0.02)  # a refused client backs off a little, then floods on
 
-        lanes = [asyncio.ensure_future(one_lane()) for _ in range(FLOOD_FACTOR * SLOTS)]
-        await stop.wait()
-        for lane in lanes:
-            lane.cancel()
-        await asyncio.gather(*lanes, return_exceptions=True)
+        # Each lane ends after the request it has in flight when told to stop (16 tokens at most).
+        await asyncio.gather(*(one_lane() for _ in range(FLOOD_FACTOR * SLOTS)))
 
 
-async def run(target: str, prompts: Prompts, count: int) -> dict[str, object]:
-    idle = await quiet_phase(target, prompts, count)
-    stop = asyncio.Event()
+def flood_process(target: str, directory: Path, stop: EventType, results: Queue[dict[str, int]]) -> None:
+    """The flood from a process of its own at the lowest CPU priority: a caller elsewhere, as
+    far as one machine allows (its client's work takes no CPU the server wants)."""
+    os.nice(19)
     outcomes: Counter[str] = Counter()
-    flooding = asyncio.ensure_future(flood(target, prompts, stop, outcomes))
+    asyncio.run(flood(target, Prompts(directory), stop.is_set, outcomes))
+    results.put(dict(outcomes))
+
+
+async def run(
+    target: str, directory: Path, prompts: Prompts, count: int, *, apart: bool
+) -> dict[str, object]:
+    """`apart`: the flood runs in a niced process of its own, else on this event loop."""
+    idle = await quiet_phase(target, prompts, count)
+    outcomes: Counter[str] = Counter()
+    if apart:
+        context = multiprocessing.get_context("spawn")
+        stop_apart, results = context.Event(), context.Queue()
+        child = context.Process(target=flood_process, args=(target, directory, stop_apart, results))
+        child.start()
+        stop: Callable[[], bool] = stop_apart.is_set
+    else:
+        stopping = asyncio.Event()
+        stop = stopping.is_set
+        flooding = asyncio.ensure_future(flood(target, prompts, stop, outcomes))
     await asyncio.sleep(5)  # let the flood fill the slots and the queue
     loaded = await quiet_phase(target, prompts, count)
-    stop.set()
-    await flooding
+    if apart:
+        stop_apart.set()
+        outcomes.update(await asyncio.to_thread(results.get))
+        child.join()
+    else:
+        stopping.set()
+        await flooding
     return {"idle_ms": idle, "flooded_ms": loaded, "flood_outcomes": dict(outcomes)}
 
 
-VARIANTS = {"preemption on (default)": (), "preemption off": ("--no-preemption",)}
+VARIANTS: dict[str, tuple[tuple[str, ...], bool]] = {
+    "as shipped (preemption on)": ((), False),
+    "preemption off": (("--no-preemption",), False),
+    "preemption on, stall-free off": (("--no-stall-free",), False),
+    "as shipped, the flood's client in a niced process": ((), True),
+}
 
 
 def main() -> None:
@@ -116,40 +155,38 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as scratch:
         tokens = Path(scratch) / "tokens"
         tokens.write_text(f"flood {FLOOD_TOKEN}\nquiet {QUIET_TOKEN}\n")
-        for name, flags in VARIANTS.items():
+        for name, (flags, apart) in VARIANTS.items():
             benchkit.wait_for_quiet()
             extra = ("--auth-tokens-file", str(tokens), *flags)
             with benchkit.ServerProcess(
                 directory, max_batch_size=SLOTS, max_queue_size=QUEUE, extra=extra
             ) as server:
-                found[name] = asyncio.run(run(server.target, prompts, count))
+                found[name] = asyncio.run(run(server.target, directory, prompts, count, apart=apart))
     rows = []
+    parts = []
     for name, runs in found.items():
         idle, flooded = runs["idle_ms"], runs["flooded_ms"]
-        assert isinstance(idle, list) and isinstance(flooded, list)
-        runs["p99_ratio"] = ratio = percentile(flooded, 0.99) / percentile(idle, 0.99)
+        assert isinstance(idle, dict) and isinstance(flooded, dict)
+        runs["p99_ratio"] = ratio = percentile(flooded["ttft"], 0.99) / percentile(idle["ttft"], 0.99)
         rows.append(
             [
                 name,
-                f"{statistics.median(idle):.1f}",
-                f"{percentile(idle, 0.99):.1f}",
-                f"{statistics.median(flooded):.1f}",
-                f"{percentile(flooded, 0.99):.1f}",
+                f"{statistics.median(idle['ttft']):.1f}",
+                f"{percentile(idle['ttft'], 0.99):.1f}",
+                f"{statistics.median(flooded['ttft']):.1f}",
+                f"{percentile(flooded['ttft'], 0.99):.1f}",
                 f"{ratio:.2f}",
                 str(runs["flood_outcomes"]),
             ]
         )
+        for phase, measured in (("idle", idle), ("flooded", flooded)):
+            medians = [f"{statistics.median(measured[p]):.1f}" for p in ("queued", "paced", "prefill")]
+            parts.append([name, phase, *medians])
     print(f"\n## The quiet caller's TTFT (server-measured, ms), {count} requests per phase\n")
-    header = [
-        "server",
-        "idle p50",
-        "idle p99",
-        "flooded p50",
-        "flooded p99",
-        "p99 ratio (target <= 2)",
-        "flood",
-    ]
-    print(benchkit.markdown_table(header, rows))
+    header = ["server", "idle p50", "idle p99", "flooded p50", "flooded p99", "p99 ratio (target <= 2)"]
+    print(benchkit.markdown_table([*header, "flood"], rows))
+    print("\n### Where the quiet caller's TTFT went (medians, ms)\n")
+    print(benchkit.markdown_table(["server", "phase", "queued", "paced", "prefill"], parts))
     path = benchkit.save_results("fairness", {"machine": benchkit.machine_summary(), **found})
     print(f"\nresults: {path}")
 

@@ -7,13 +7,15 @@ the same prompts every repetition, and hits would flatter the second one. Worklo
 `tokenwire bench`'s own load generator:
 
 - open loop: Poisson arrivals at 1 request/s, prompts uniform 50..400 tokens, 64..192 new tokens,
-  seed 7, on 8-slot servers (the issue's line);
+  seed 7, on 8-slot servers (the issue's line), and the same at 0.5 request/s (a load a 2-core
+  machine sustains: at 1 request/s both sides' queues grow for the whole run);
 - closed loop: 8 and 16 streams of 100-token prompts and 128 new tokens on 16-slot servers.
 
 Each repetition runs every workload on both sides, the order alternating, each run starting once
 the machine is quiet. Latency percentiles pool every request of the repetitions; throughput is the
-median of the repetitions. `--sweep` adds the open-loop workload on "after" servers with fixed
-`--max-step-ms` targets, the knob's trade-off.
+median of the repetitions. `--sweep` adds "after" servers with fixed `--max-step-ms` targets for
+every workload but the overloaded one, the knob's trade-off (`stall_free_knob.png`). `--name`
+names the results files (default `stall_free`).
 
     python benchmarks/stall_free.py --baseline ../tokenwire-before [--repetitions 2] [--duration 40]
 """
@@ -46,6 +48,8 @@ class Workload:
     new_tokens: str
     duration: float
     seed: int = 7
+    swept: bool = True
+    """Whether `--sweep` runs it (not where the queue grows whatever the knob says)."""
 
 
 @dataclass
@@ -107,12 +111,27 @@ def main() -> None:
     parser.add_argument("--closed-duration", type=float, default=30.0, help="seconds of each closed loop")
     parser.add_argument("--sweep", default="", help="comma-separated --max-step-ms values to sweep")
     parser.add_argument("--only", default="", help="comma-separated workload names to run (default all)")
+    parser.add_argument("--name", default="stall_free", help="name of the results files")
     args = parser.parse_args()
 
     directory = benchkit.model_dir()
     workloads = [
         Workload(
-            "1 req/s open loop", 8, LoadLevel("rate", 1.0), "uniform:50:400", "uniform:64:192", args.duration
+            "1 req/s open loop",
+            8,
+            LoadLevel("rate", 1.0),
+            "uniform:50:400",
+            "uniform:64:192",
+            args.duration,
+            swept=False,
+        ),
+        Workload(
+            "0.5 req/s open loop",
+            8,
+            LoadLevel("rate", 0.5),
+            "uniform:50:400",
+            "uniform:64:192",
+            args.duration,
         ),
         Workload("8 streams", 16, LoadLevel("concurrency", 8), "100", "128", args.closed_duration),
         Workload("16 streams", 16, LoadLevel("concurrency", 16), "100", "128", args.closed_duration),
@@ -140,15 +159,17 @@ def main() -> None:
     try:
         for side, spec in sides.items():
             for slots in slot_counts:
-                if side.startswith("max-step") and slots != 8:
-                    continue
                 server = benchkit.ServerProcess(
                     directory, max_batch_size=slots, code=spec["code"], extra=("--no-metrics", *spec["extra"])
                 )
                 servers[(side, slots)] = server.__enter__()
         for repetition in range(args.repetitions):
             for workload in workloads:
-                order = [s for s in sides if (s, workload.slots) in servers]
+                order = [
+                    s
+                    for s in sides
+                    if (s, workload.slots) in servers and (workload.swept or not s.startswith("max-step"))
+                ]
                 if repetition % 2:
                     order.reverse()
                 for side in order:
@@ -211,9 +232,9 @@ def main() -> None:
             f"{b['itl_p99'] / b['itl_p50']:.1f}x); TTFT p50 {a['ttft_p50'] / b['ttft_p50']:.2f}x before "
             f"(target <= 1.25x); output tok/s {a['tok_per_s'] / b['tok_per_s']:.3f}x before (target >= 0.95x)"
         )
-    out = benchkit.save_results("stall_free", data)
+    out = benchkit.save_results(args.name, data)
     print(f"\nresults: {out.relative_to(benchkit.REPO)}")
-    chart(data, workloads, RESULTS / "stall_free.png")
+    chart(data, workloads, RESULTS / f"{args.name}.png")
 
 
 def chart(data: dict[str, Any], workloads: list[Workload], path: Path) -> None:
@@ -243,28 +264,37 @@ def chart(data: dict[str, Any], workloads: list[Workload], path: Path) -> None:
             for i, n in enumerate(names):
                 bound = 3 * data[n]["after"]["itl_p50"] * 1000
                 axis.hlines(bound, i - 0.45, i + 0.45, colors="black", linestyles="dashed")
-        axis.set_xticks(list(x), names)
+        axis.set_xticks(list(x), [n.replace(" open", "\nopen") for n in names])
         axis.set_title(title)
         axis.legend()
     axes[0].set_ylabel("dashed: 3x the after side's ITL p50")
-    sweep = sorted(
-        (float(side.split()[-1]), f)
-        for side, f in data.get(workloads[0].name, {}).items()
-        if side.startswith("max-step-ms")
-    )
     figure.suptitle("Stall-free prefill: before and after (SmolLM2-135M, 2 CPU cores)")
     figure.tight_layout()
     figure.savefig(path, dpi=110)
-    if sweep:
-        knob, axis = plt.subplots(figsize=(6, 4.5))
-        axis.plot([s for s, _ in sweep], [f["itl_p99"] * 1000 for _, f in sweep], "o-", label="ITL p99")
-        axis.plot([s for s, _ in sweep], [f["ttft_p50"] * 1000 for _, f in sweep], "s-", label="TTFT p50")
+    swept = {
+        n: sorted(
+            (float(side.split()[-1]), f) for side, f in data[n].items() if side.startswith("max-step-ms")
+        )
+        for n in names
+    }
+    swept = {n: points for n, points in swept.items() if points}
+    if not swept:
+        return
+    knob, knob_axes = plt.subplots(1, len(swept), figsize=(5.5 * len(swept), 4.5), squeeze=False)
+    for axis, (n, points) in zip(knob_axes[0], swept.items(), strict=True):
+        auto = data[n]["after"]
+        xs = [v for v, _ in points]
+        axis.plot(xs, [f["itl_p99"] * 1000 for _, f in points], "o-", color="#2b7bba", label="ITL p99")
+        axis.plot(xs, [f["ttft_p50"] * 1000 for _, f in points], "s-", color="#d9822b", label="TTFT p50")
+        axis.axhline(auto["itl_p99"] * 1000, color="#2b7bba", linestyle=":", label="ITL p99, auto target")
+        axis.axhline(auto["ttft_p50"] * 1000, color="#d9822b", linestyle=":", label="TTFT p50, auto target")
         axis.set_xlabel("--max-step-ms")
         axis.set_ylabel("ms")
-        axis.set_title(f"The knob, {workloads[0].name}")
-        axis.legend()
-        knob.tight_layout()
-        knob.savefig(path.with_name("stall_free_knob.png"), dpi=110)
+        axis.set_title(n)
+        axis.legend(fontsize=8)
+    knob.suptitle("The knob: a longer round gives prompts more of it")
+    knob.tight_layout()
+    knob.savefig(path.with_name(f"{path.stem}_knob.png"), dpi=110)
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import io
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -17,6 +19,7 @@ from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.model_tools.pull import DEFAULT_MODEL, fetch_gguf, pull_model, tokenwire_home
 from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
+from tokenwire.server.telemetry.logs import JsonFormatter
 
 # Hypothesis's per-example deadline is a wall-clock assert: on a loaded two-core machine a
 # correct property fails it. Properties here check values, never speed.
@@ -146,3 +149,18 @@ def serve_processes() -> Iterator[list[ServeProcess]]:
         if served.process.poll() is None:
             served.process.kill()
             served.process.wait()
+
+
+@pytest.fixture
+def every_log_line() -> Iterator[io.StringIO]:
+    """Everything any logger writes, at every level, formatted as JSON with its fields."""
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(JsonFormatter())
+    root = logging.getLogger()
+    previous = root.level
+    root.addHandler(handler)
+    root.setLevel(logging.DEBUG)
+    yield stream
+    root.removeHandler(handler)
+    root.setLevel(previous)

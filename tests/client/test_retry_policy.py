@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import grpc
 import pytest
@@ -18,6 +21,7 @@ from tokenwire.client import (
     Client,
     Failed,
     GenerateOptions,
+    Generation,
     Queued,
     Sampling,
     Stopping,
@@ -26,34 +30,48 @@ from tokenwire.client import (
     service_config,
 )
 from tokenwire.client.retry import INFERENCE_SERVICE, inference_retry_policy
+from tokenwire.server.app import TokenwireServer
 
 OPTIONS = GenerateOptions(
     sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=4, ignore_eos=True)
 )
 
 
-async def test_rejected_request_is_retried_after_the_pushback_and_succeeds(
-    start_server: ServerFactory,
-) -> None:
+@dataclass
+class FullServer:
+    """A server with one slot, no queue and decode steps held at a gate, its one slot taken."""
+
+    server: TokenwireServer
+    gate: StepGate
+    plain: AsyncClient
+    occupying: asyncio.Task[Generation]
+
+    def rejected(self) -> int:
+        """Rejections seen so far (each one a RESOURCE_EXHAUSTED attempt by a retrying client)."""
+        return self.server.registry.default.engine.stats.rejected
+
+
+@asynccontextmanager
+async def full_server(start_server: ServerFactory) -> AsyncIterator[FullServer]:
     gate = StepGate()
     server = await start_server(wrap_model=gated(gate), max_batch_size=1, max_queue_size=0)
     engine = server.registry.default.engine
-    async with (
-        AsyncClient(f"127.0.0.1:{server.port}", retries=False) as plain,
-        AsyncClient(f"127.0.0.1:{server.port}") as retrying,
-    ):
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as plain:
         occupying = asyncio.create_task(plain.generate("occupy", OPTIONS))
         await wait_until(lambda: engine.live_count == 1, what="the slot to be taken")
+        yield FullServer(server, gate, plain, occupying)
+
+
+async def test_rejected_request_is_retried_after_the_pushback_and_succeeds(
+    start_server: ServerFactory,
+) -> None:
+    async with full_server(start_server) as full, AsyncClient(f"127.0.0.1:{full.server.port}") as retrying:
         retried = asyncio.create_task(retrying.generate("retried", OPTIONS))
-        await wait_until(lambda: engine.stats.finished == 0 and rejected(server) >= 1, what="a rejection")
-        gate.open()
-        assert (await occupying).completion_tokens == 4
+        engine = full.server.registry.default.engine
+        await wait_until(lambda: engine.stats.finished == 0 and full.rejected() >= 1, what="a rejection")
+        full.gate.open()
+        assert (await full.occupying).completion_tokens == 4
         assert (await retried).completion_tokens == 4
-
-
-def rejected(server: object) -> int:
-    """Rejections seen so far (each one a RESOURCE_EXHAUSTED attempt by the retrying client)."""
-    return server.registry.default.engine.stats.rejected  # type: ignore[attr-defined,no-any-return]
 
 
 async def test_a_streamed_generation_refused_at_admission_is_sent_again_unseen(
@@ -61,32 +79,19 @@ async def test_a_streamed_generation_refused_at_admission_is_sent_again_unseen(
 ) -> None:
     # A stream call is accepted and the generation on it refused (queue full): the refusal is the
     # generation's first event, which the client answers by sending it again on a new call.
-    gate = StepGate()
-    server = await start_server(wrap_model=gated(gate), max_batch_size=1, max_queue_size=0)
-    engine = server.registry.default.engine
-    async with (
-        AsyncClient(f"127.0.0.1:{server.port}", retries=False) as plain,
-        AsyncClient(f"127.0.0.1:{server.port}") as retrying,
-    ):
-        occupying = asyncio.create_task(plain.generate("occupy", OPTIONS))
-        await wait_until(lambda: engine.live_count == 1, what="the slot to be taken")
+    async with full_server(start_server) as full, AsyncClient(f"127.0.0.1:{full.server.port}") as retrying:
         retried = asyncio.create_task(collect(retrying.stream("retried", OPTIONS)))
-        await wait_until(lambda: rejected(server) >= 1, what="a rejection")
-        gate.open()
-        assert (await occupying).completion_tokens == 4
+        await wait_until(lambda: full.rejected() >= 1, what="a rejection")
+        full.gate.open()
+        assert (await full.occupying).completion_tokens == 4
         assert (await retried).completion_tokens == 4
 
 
 async def test_without_retries_the_refusal_reaches_the_caller(start_server: ServerFactory) -> None:
-    gate = StepGate()
-    server = await start_server(wrap_model=gated(gate), max_batch_size=1, max_queue_size=0)
-    engine = server.registry.default.engine
-    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as plain:
-        occupying = asyncio.create_task(plain.generate("occupy", OPTIONS))
-        await wait_until(lambda: engine.live_count == 1, what="the slot to be taken")
-        events = [event async for event in plain.stream("refused", OPTIONS)]
-        gate.open()
-        await occupying
+    async with full_server(start_server) as full:
+        events = [event async for event in full.plain.stream("refused", OPTIONS)]
+        full.gate.open()
+        await full.occupying
     assert len(events) == 1
     assert isinstance(events[0], Failed)
     assert isinstance(events[0].error, TokenwireError)
@@ -121,19 +126,14 @@ def test_the_stream_retry_policy_is_the_shipped_service_configs() -> None:
 async def test_the_blocking_client_sends_a_refused_streamed_generation_again_too(
     start_server: ServerFactory,
 ) -> None:
-    gate = StepGate()
-    server = await start_server(wrap_model=gated(gate), max_batch_size=1, max_queue_size=0)
-    engine = server.registry.default.engine
-    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as plain:
-        occupying = asyncio.create_task(plain.generate("occupy", OPTIONS))
-        await wait_until(lambda: engine.live_count == 1, what="the slot to be taken")
-        with Client(f"127.0.0.1:{server.port}") as blocking:
+    async with full_server(start_server) as full:
+        with Client(f"127.0.0.1:{full.server.port}") as blocking:
             streamed = asyncio.create_task(
                 asyncio.to_thread(lambda: list(blocking.stream("retried", OPTIONS)))
             )
-            await wait_until(lambda: rejected(server) >= 1, what="a rejection")
-            gate.open()
+            await wait_until(lambda: full.rejected() >= 1, what="a rejection")
+            full.gate.open()
             events = await streamed
-        await occupying
+        await full.occupying
     assert not any(isinstance(event, Failed) for event in events)
     assert sum(len(event.token_ids) for event in events if isinstance(event, Chunk)) == 4

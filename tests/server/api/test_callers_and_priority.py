@@ -10,8 +10,6 @@ import asyncio
 import hashlib
 import io
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -34,7 +32,6 @@ from tokenwire.client import (
 )
 from tokenwire.server.config import AuthSettings, TelemetrySettings
 from tokenwire.server.security.auth import load_token_callers
-from tokenwire.server.telemetry.logs import JsonFormatter
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
@@ -53,20 +50,6 @@ def tokens_file(tmp_path: Path) -> Path:
         encoding="utf-8",
     )
     return path
-
-
-@pytest.fixture
-def every_log_line() -> Iterator[io.StringIO]:
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    previous = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    yield stream
-    root.removeHandler(handler)
-    root.setLevel(previous)
 
 
 def auth(tokens_file: Path) -> AuthSettings:

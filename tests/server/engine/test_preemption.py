@@ -155,14 +155,20 @@ def test_without_row_copying_or_with_preemption_off_running_work_keeps_its_slot(
         assert "q0" not in h.started
 
 
-def test_cancelling_preempted_work_ends_it_with_the_tokens_it_had() -> None:
-    h = Harness(slots=2, queue=16, copies_rows=True)
-    h.submit("f0", FLOOD, tokens=50)
-    h.submit("f1", FLOOD, tokens=50)
+def swap_one_out(h: Harness, *, deadline: float | None = None) -> str:
+    """Two flood generations fill both slots; a quiet request takes one. The swapped-out one."""
+    h.submit("f0", FLOOD, tokens=50, deadline=deadline)
+    h.submit("f1", FLOOD, tokens=50, deadline=deadline)
     h.rounds(5)
     h.submit("q0", QUIET, tokens=50)
     h.rounds(1)
-    swapped = ({"f0", "f1"} - running(h)).pop()
+    (swapped,) = {"f0", "f1"} - running(h)
+    return swapped
+
+
+def test_cancelling_preempted_work_ends_it_with_the_tokens_it_had() -> None:
+    h = Harness(slots=2, queue=16, copies_rows=True)
+    swapped = swap_one_out(h)
     before = h.tokens_of(swapped)
     assert before > 0
 
@@ -180,12 +186,7 @@ def test_cancelling_preempted_work_ends_it_with_the_tokens_it_had() -> None:
 
 def test_preempted_work_whose_deadline_passes_fails_as_a_generation_deadline() -> None:
     h = Harness(slots=2, queue=16, copies_rows=True)
-    h.submit("f0", FLOOD, tokens=50, deadline=h.clock() + 10.0)
-    h.submit("f1", FLOOD, tokens=50, deadline=h.clock() + 10.0)
-    h.rounds(5)
-    h.submit("q0", QUIET, tokens=50)
-    h.rounds(1)
-    swapped = ({"f0", "f1"} - running(h)).pop()
+    swapped = swap_one_out(h, deadline=h.clock() + 10.0)
     h.clock.advance(11.0)
     h.rounds(1)
     final = h.events[swapped][-1]

@@ -5,8 +5,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import grpc
@@ -23,7 +22,6 @@ from tokenwire.server.app import TokenwireServer
 from tokenwire.server.cli import main
 from tokenwire.server.config import AuthSettings, TelemetrySettings
 from tokenwire.server.security.auth import TokenFileError, load_tokens
-from tokenwire.server.telemetry.logs import JsonFormatter
 
 GOOD = "alpha-7Qm2-token"
 OTHER_GOOD = "beta-Zx81-token"
@@ -127,21 +125,6 @@ async def test_reflection_can_be_turned_off(tiny_model_dir: Path) -> None:
         with pytest.raises(grpc.aio.AioRpcError) as missing:
             await reflection_services(server.port, ())
     assert missing.value.code() is grpc.StatusCode.UNIMPLEMENTED
-
-
-@pytest.fixture
-def every_log_line() -> Iterator[io.StringIO]:
-    """Everything any logger writes, at every level, formatted as JSON with its fields."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    previous = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    yield stream
-    root.removeHandler(handler)
-    root.setLevel(previous)
 
 
 async def test_tokens_never_reach_logs_spans_or_metrics(
