@@ -194,3 +194,18 @@ def test_preempted_work_whose_deadline_passes_fails_as_a_generation_deadline() -
     assert final.error.kind is ErrorKind.DEADLINE_EXCEEDED
     assert "during generation" in final.error.message
     assert final.completion_tokens > 0
+
+
+def test_shares_within_a_priority_count_only_the_slots_more_urgent_work_leaves() -> None:
+    h = Harness(slots=4, queue=32, copies_rows=True, reserved=0)
+    h.submit("i0", QUIET, Priority.INTERACTIVE, tokens=200)
+    h.submit("i1", QUIET, Priority.INTERACTIVE, tokens=200)
+    h.submit("f0", FLOOD, tokens=200)
+    h.submit("f1", FLOOD, tokens=200)
+    h.rounds(3)
+    other = Caller("other")
+    h.submit("o0", other, tokens=200)
+    h.rounds(1)
+    # DEFAULT has 2 slots left by INTERACTIVE work: one each for flood and other.
+    assert h.started[-1] == "o0"
+    assert running(h) - {"f0", "f1"} == {"i0", "i1", "o0"} and len(running(h)) == 4

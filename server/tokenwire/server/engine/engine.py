@@ -567,14 +567,17 @@ class Engine:
             if batch:
                 return min(batch, key=lambda s: s.cached_positions)
         level = candidate.priority
-        running = [s for s in [*self._prefilling, *self._decoding.values()] if s.request.priority is level]
+        everything = [*self._prefilling, *self._decoding.values()]
+        running = [s for s in everything if s.request.priority is level]
+        # The level's callers share the slots that more urgent work leaves them.
+        capacity = self._slots - sum(s.request.priority.value < level.value for s in everything)
         held = Counter(s.request.caller.name for s in running)
         weights = dict(queueing)
         weights.update((s.request.caller.name, s.request.caller.weight) for s in running)
         total = sum(weights.values())
 
         def excess(name: str) -> float:
-            return held[name] - self._slots * weights[name] / total
+            return held[name] - capacity * weights[name] / total
 
         if total <= 0 or excess(candidate.caller.name) + 1 > 0:
             return None
