@@ -231,7 +231,6 @@ class Engine:
         self._pacer = PrefillPacer(max_step_seconds=config.max_step_seconds)
         self._prefix_cache = _prefix_cache_for(runner, config)
         self._swapper = _row_copier(runner) if config.preemption else None
-        self._swapped_out = 0
         if self._prefix_cache is not None:
             self._inbox.prefix_cache = self._prefix_cache.stats()
 
@@ -521,14 +520,24 @@ class Engine:
         At most one a round, and at most as many swapped out at once as there are slots, which
         bounds the copied rows to the KV cache's own size.
         """
-        if self._swapper is None or self._swapped_out >= self._slots or not self._decoding:
+        if self._swapper is None or not self._decoding:
             return None
         with self._lock:
             waiting = self._inbox.waiting
+            if sum(entry.swapped is not None for entry in waiting) >= self._slots:
+                return None
             queueing = {priority: waiting.callers_at(priority) for priority in Priority}
+            # Whether a caller is owed a slot depends on its caller and priority alone: asked once
+            # for each, not once for every request a flooding caller has queued.
+            owed_by: dict[tuple[Priority, str], bool] = {}
 
             def owed(entry: _Waiting) -> bool:
-                return allowed(entry) and self._victim_for(entry, queueing[entry.priority]) is not None
+                if not allowed(entry):
+                    return False
+                key = (entry.priority, entry.caller.name)
+                if key not in owed_by:
+                    owed_by[key] = self._victim_for(entry, queueing[entry.priority]) is not None
+                return owed_by[key]
 
             # The next request in fair order among those owed a slot: a request of a caller at its
             # share, even one ahead in the fair order, takes nothing from anyone.
@@ -544,7 +553,6 @@ class Engine:
             return None
         del self._decoding[victim.key]
         self._runner.release(victim.key)
-        self._swapped_out += 1
         self._stats.preemptions += 1
         self._observer.preempted(model=self._model, caller=victim.request.caller.name)
         log.debug(
@@ -588,7 +596,6 @@ class Engine:
 
     def _swap_in(self, swapped: _SwappedOut, now: float) -> None:
         """Give a preempted generation a slot again: its rows copied back, it decodes on."""
-        self._swapped_out -= 1
         sequence = swapped.sequence
         assert self._swapper is not None
         try:
@@ -793,7 +800,7 @@ class Engine:
                     entry = next((w for w in self._inbox.waiting if w.key == abort.key), None)
                     if entry is not None:
                         self._inbox.waiting.remove(entry)
-                        live = self._unqueued(entry)
+                        live = entry.live
             if live is not None:
                 self._count_abort(live, abort)
                 self._finish(live, _abort_ending(abort.reason, started=isinstance(live, Sequence)), now)
@@ -825,15 +832,9 @@ class Engine:
             for entry in late:
                 self._inbox.waiting.remove(entry)
         for entry in late:
-            live = self._unqueued(entry)
+            live = entry.live
             where = "during generation" if isinstance(live, Sequence) else "in the queue"
             self._finish(live, _deadline_error(where), now)
-
-    def _unqueued(self, entry: _Waiting) -> Sequence | _Waiting:
-        """What ends when a waiting entry leaves the queue other than through a slot."""
-        if entry.swapped is not None:
-            self._swapped_out -= 1
-        return entry.live
 
     # -- finishing -------------------------------------------------------------------------------
 
@@ -891,7 +892,7 @@ class Engine:
             waiting = self._inbox.waiting.clear()
             self._stopping = True  # the thread is gone: refuse what it would never serve
         now = self._clock()
-        everything = [*self._prefilling, *self._decoding.values(), *(self._unqueued(w) for w in waiting)]
+        everything = [*self._prefilling, *self._decoding.values(), *(w.live for w in waiting)]
         for live in everything:
             try:
                 self._finish(live, error, now)

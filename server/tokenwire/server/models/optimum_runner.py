@@ -250,8 +250,9 @@ class OptimumRunner:
         # A numpy view of an OrtValue does not keep the OrtValue's memory alive, and the cache of
         # a sequence started from copied rows is numpy memory that its OrtValue alone holds: the
         # joiners' states stay referenced here until their rows are copied into the new batches.
-        joiners = [self._prefilling.pop(seq) for seq in wanted if seq not in caches]
-        for seq, state in zip([s for s in wanted if s not in caches], joiners, strict=True):
+        joining = [seq for seq in wanted if seq not in caches]
+        joiners = [self._prefilling.pop(seq) for seq in joining]
+        for seq, state in zip(joining, joiners, strict=True):
             caches[seq] = [value.numpy()[0] for value in state.kv]
         cohorts: dict[int, list[int]] = {}
         for seq in wanted:
