@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from dataclasses import replace
+from dataclasses import fields, replace
 from pathlib import Path
 
 import pytest
@@ -15,6 +15,7 @@ from tests.support.serve_process import ServeProcess
 from tokenwire.client import AsyncClient
 from tokenwire.server.app import ModelWrapper, TokenwireServer
 from tokenwire.server.config import ModelSource, ServerSettings
+from tokenwire.server.engine.config import EngineConfig
 from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.model_tools.pull import DEFAULT_MODEL, fetch_gguf, pull_model, tokenwire_home
 from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
@@ -54,21 +55,30 @@ def tiny_model_without_chat_dir(tmp_path_factory: pytest.TempPathFactory) -> Pat
     )
 
 
+ENGINE_SETTINGS = frozenset(f.name for f in fields(EngineConfig))
+
+
 def tiny_settings(model_dir: Path, **overrides: object) -> ServerSettings:
-    settings = ServerSettings(
-        models=(ModelSource(model_dir, "tiny"),),
-        host="127.0.0.1",
-        port=0,
+    """Settings of a test server for `model_dir`; an override named like an engine setting
+    (`max_batch_size=2`) goes to the engine's settings group."""
+    engine = EngineConfig(
         max_batch_size=4,
         max_queue_size=8,
-        device="cpu",
-        intra_op_threads=1,
-        drain_timeout=10.0,
         # Tests that hold decode steps (StepGate) count on one round prefilling every admitted
         # prompt; stall-free pacing sizes rounds from measured times, which a test cannot
         # predict. Pacing is tested with a manual clock (tests/server/engine/test_scheduler.py)
         # and on a real server where a test asks for it.
         stall_free=False,
+    )
+    engine_overrides = {name: overrides.pop(name) for name in list(overrides) if name in ENGINE_SETTINGS}
+    settings = ServerSettings(
+        models=(ModelSource(model_dir, "tiny"),),
+        host="127.0.0.1",
+        port=0,
+        engine=replace(engine, **engine_overrides),  # type: ignore[arg-type]
+        device="cpu",
+        intra_op_threads=1,
+        drain_timeout=10.0,
     )
     return replace(settings, **overrides)  # type: ignore[arg-type]
 

@@ -27,6 +27,7 @@ from typing import IO, Any
 
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.config import ModelSource, ServerSettings
+from tokenwire.server.engine.config import EngineConfig
 
 STARTUP_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
@@ -245,8 +246,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         models=(ModelSource(args.model, "tiny"),),
         host="127.0.0.1",
         port=0,
-        max_batch_size=args.max_batch_size,
-        max_queue_size=args.max_queue_size,
+        engine=EngineConfig(max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size),
         device="cpu",
         intra_op_threads=1,
         drain_timeout=5.0,

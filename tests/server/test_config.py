@@ -42,7 +42,7 @@ def test_without_any_source_every_setting_has_its_documented_default() -> None:
     library = ServerSettings()
     assert settings.models == ()
     assert settings.port == library.port == 50051
-    assert settings.max_batch_size == library.max_batch_size
+    assert settings.engine.max_batch_size == library.engine.max_batch_size
     assert settings.limits == library.limits
     assert settings.keepalive == library.keepalive
     assert settings.auth == library.auth and not settings.auth.enabled
@@ -65,8 +65,8 @@ def test_a_flag_beats_the_environment_which_beats_the_file_which_beats_the_defau
         "TOKENWIRE_ACCESS_LOG": "yes",
     }
     settings = load("--config", str(config), "--drain-timeout", "5.5", environ=environ)
-    assert settings.max_batch_size == 3  # file over default
-    assert settings.max_queue_size == 40  # environment over file
+    assert settings.engine.max_batch_size == 3  # file over default
+    assert settings.engine.max_queue_size == 40  # environment over file
     assert settings.drain_timeout == 5.5  # flag over environment and file
     assert settings.telemetry.access_log is True  # environment over file, for a switch
     assert settings.telemetry.log_format == "json"

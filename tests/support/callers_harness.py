@@ -56,6 +56,7 @@ class Harness:
             preemption=preemption,
             prefill_chunk_size=chunk,
             stall_free=chunk >= 256,
+            prefix_cache_mb=0,
         )
         self.prompt_tokens = prompt_tokens
         self.engine = Engine(self.runner, TOKENIZER, config, clock=self.clock)

@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from tokenwire.server.api import errors
 from tokenwire.server.api.chat import chat_prompts
 from tokenwire.server.api.handlers import SERVICE_NAME, add_inference_service
 from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaService, add_orca_service
@@ -21,7 +22,7 @@ from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.api.stream import StreamCaps
 from tokenwire.server.config import ServerSettings
-from tokenwire.server.engine.engine import Engine, EngineConfig
+from tokenwire.server.engine.engine import Engine
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.format_cache import FormatCache
 from tokenwire.server.engine.observer import EngineObserver
@@ -29,6 +30,7 @@ from tokenwire.server.engine.validation import RequestValidator
 from tokenwire.server.health import HealthReporter, start_health_listener
 from tokenwire.server.lifecycle import Lifecycle, ServingPhase
 from tokenwire.server.load import LoadTracker
+from tokenwire.server.metadata import Metadata
 from tokenwire.server.models.loader import LoadedModel, LoadSettings, load_model
 from tokenwire.server.models.session import SessionSettings
 from tokenwire.server.models.warmup import warm_up
@@ -37,8 +39,7 @@ from tokenwire.server.sampling.constraint import FormatCompiler
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import BearerTokenInterceptor
 from tokenwire.server.security.callers import CallerDirectory
-from tokenwire.server.telemetry.exporters import Telemetry
-from tokenwire.server.telemetry.tracing import Metadata
+from tokenwire.server.telemetry.exporters import MetricsTls, Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,19 @@ class TokenwireServer:
         self.health_port: int | None = None
         """Port of the plaintext health listener once started; None without --health-port."""
         self.health = HealthReporter(health_aio.HealthServicer(), ("", SERVICE_NAME), settings.health)
-        self.telemetry = Telemetry(settings, engines=self._engines, span_exporter=span_exporter)
+        tls = settings.tls
+        self.telemetry = Telemetry(
+            settings.telemetry,
+            metrics_address=settings.metrics_address,
+            engines=self._engines,
+            tokens=settings.auth.tokens,
+            tls=None
+            if tls.cert is None or tls.key is None
+            else MetricsTls(
+                str(tls.cert), str(tls.key), None if tls.client_ca is None else str(tls.client_ca)
+            ),
+            span_exporter=span_exporter,
+        )
         self.load_tracker = LoadTracker()
         watermarks = self.health if settings.health.queue_high_watermark is not None else None
         observers: list[EngineObserver | None] = [
@@ -130,6 +143,7 @@ class TokenwireServer:
             interceptors.append(
                 BearerTokenInterceptor(
                     settings.auth.tokens,
+                    refuse=errors.abort,
                     protect_health=settings.auth.protect_health,
                     on_refused=self._refused_unauthenticated,
                 )
@@ -144,7 +158,7 @@ class TokenwireServer:
             limits=settings.limits,
             stream_caps=StreamCaps(
                 generations=settings.stream.max_generations_per_stream,
-                queued=settings.stream.queued_per_stream(settings.max_queue_size),
+                queued=settings.stream.queued_per_stream(settings.engine.max_queue_size),
                 unsent_bytes=settings.stream.max_unsent_bytes_per_stream,
             ),
             generations=self.generations,
@@ -180,7 +194,7 @@ class TokenwireServer:
         """Load every model (in a worker thread), start the engines, then report SERVING."""
         settings = self.settings
         load_settings = LoadSettings(
-            max_batch_size=settings.max_batch_size,
+            max_batch_size=settings.engine.max_batch_size,
             max_context_length=settings.max_context_length,
             session=SessionSettings(device=settings.device, intra_op_threads=settings.intra_op_threads),
         )
@@ -199,16 +213,7 @@ class TokenwireServer:
             engine = Engine(
                 loaded.runner,
                 loaded.tokenizer,
-                EngineConfig(
-                    max_batch_size=settings.max_batch_size,
-                    max_queue_size=settings.max_queue_size,
-                    prefill_chunk_size=settings.prefill_chunk_size,
-                    stall_free=settings.stall_free,
-                    max_step_seconds=settings.max_step_ms / 1000 if settings.max_step_ms > 0 else None,
-                    prefix_cache_bytes=settings.prefix_cache_mb * 2**20,
-                    batch_reserved_slots=settings.batch_reserved_slots,
-                    preemption=settings.preemption,
-                ),
+                settings.engine,
                 observer=self._observer,
                 check_accepting=self.lifecycle.check_accepting,
                 formats=FormatCache(compiler, settings.formats),

@@ -12,17 +12,17 @@ and bounds derive from that field. Only a rule between settings needs a line in 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
 
 from tokenwire.server.api.stream_limits import StreamLimits
+from tokenwire.server.engine.config import EngineConfig
 from tokenwire.server.engine.format_cache import FormatLimits
 from tokenwire.server.engine.types import Caller
 from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.models.runtime_check import Device
 from tokenwire.server.security.callers import default_name
+from tokenwire.server.security.tls import TlsSettings
 from tokenwire.server.settings_schema import (
     ENGINE,
     HEALTH,
@@ -31,24 +31,27 @@ from tokenwire.server.settings_schema import (
     TELEMETRY,
     bound_problems,
     declared_settings,
+    port_problem,
     setting,
     settings_group,
 )
+from tokenwire.server.telemetry.settings import DEFAULT_METRICS_PORT, LogFormat, TelemetrySettings
+
+__all__ = [
+    "DEFAULT_METRICS_PORT",
+    "DEFAULT_PORT",
+    "AuthSettings",
+    "EngineConfig",
+    "HealthSettings",
+    "KeepaliveSettings",
+    "LogFormat",
+    "ModelSource",
+    "ServerSettings",
+    "TelemetrySettings",
+    "TlsSettings",
+]
 
 DEFAULT_PORT = 50051
-DEFAULT_METRICS_PORT = 9464
-
-LogFormat = Literal["text", "json"]
-
-
-def _port_problem(port: int) -> str | None:
-    return None if 0 <= port <= 65535 else f"{port} is not a TCP port"
-
-
-def _log_level_problem(level: str) -> str | None:
-    if isinstance(logging.getLevelName(level.upper()), int):
-        return None
-    return f"{level!r} is not DEBUG, INFO, WARNING or ERROR"
 
 
 @dataclass(frozen=True)
@@ -76,58 +79,6 @@ class KeepaliveSettings:
 
 
 @dataclass(frozen=True)
-class TelemetrySettings:
-    metrics_port: int | None = setting(
-        None,
-        "port of the metrics endpoint, path /metrics (0 picks one)",
-        check=_port_problem,
-        metavar="PORT",
-        command_default=DEFAULT_METRICS_PORT,
-        switch=("metrics", "serve Prometheus metrics over HTTP"),
-    )
-    """None: no endpoint (the library's default; `tokenwire serve` serves one)."""
-    metrics_host: str | None = setting(
-        None,
-        "address of the metrics endpoint (default: --host; 127.0.0.1 when gRPC needs TLS or a token "
-        "and the endpoint asks for neither)",
-        metavar="ADDRESS",
-    )
-    metrics_auth: bool = setting(
-        False, "require the gRPC bearer token on the metrics endpoint too (Authorization: Bearer)"
-    )
-    metrics_tls: bool = setting(
-        False, "serve the metrics endpoint over TLS with --tls-cert/--tls-key (and --tls-client-ca)"
-    )
-    metrics_cache_seconds: float = setting(
-        1.0,
-        "seconds a rendered metrics page is reused, so frequent scrapes cost no rendering (0: never)",
-        minimum=0,
-    )
-    otlp_endpoint: str | None = setting(
-        None,
-        "OTLP/gRPC collector for request spans, e.g. http://localhost:4317 "
-        "(unset: no spans are built); OTEL_EXPORTER_OTLP_* variables add headers and certificates",
-        metavar="URL",
-    )
-    otlp_metrics: bool = setting(
-        False, "also push metrics to --otlp-endpoint (every 60 s, or OTEL_METRIC_EXPORT_INTERVAL ms)"
-    )
-    service_name: str = setting(
-        "tokenwire",
-        "service.name of the OpenTelemetry resource",
-        check=lambda name: None if name else "must not be empty",
-        metavar="NAME",
-    )
-    log_level: str = setting(
-        "INFO", "logging level: DEBUG, INFO, WARNING, ERROR", check=_log_level_problem, metavar="LEVEL"
-    )
-    log_format: LogFormat = setting("text", "text, or json: one JSON object per line")
-    access_log: bool = setting(
-        True, "one log line per request (logger tokenwire.access) with its outcome and timings"
-    )
-
-
-@dataclass(frozen=True)
 class AuthSettings:
     tokens: tuple[str, ...] = field(default=(), repr=False)
     """Accepted bearer tokens; empty: authentication is off. Never shown in a repr or a log.
@@ -152,25 +103,12 @@ class AuthSettings:
 
 
 @dataclass(frozen=True)
-class TlsSettings:
-    cert: Path | None = setting(None, "server certificate chain (PEM); with --tls-key enables TLS")
-    key: Path | None = setting(None, "server private key (PEM)")
-    client_ca: Path | None = setting(
-        None, "CA certificate (PEM) client certificates must chain to; enables mutual TLS"
-    )
-
-    @property
-    def enabled(self) -> bool:
-        return self.cert is not None
-
-
-@dataclass(frozen=True)
 class HealthSettings:
     port: int | None = setting(
         None,
         "port of a second listener, always plaintext and without tokens, that serves only grpc.health.v1 "
         "(for Kubernetes gRPC probes, which speak neither TLS nor tokens; 0 picks one)",
-        check=_port_problem,
+        check=port_problem,
         metavar="PORT",
     )
     """None: health is served on the gRPC port only."""
@@ -200,47 +138,8 @@ class ServerSettings:
     device: Device = setting(
         "auto", "where the model runs; auto picks CUDA when ONNX Runtime has it", group=ENGINE
     )
-    max_batch_size: int = setting(
-        8, "most sequences decoded together; sizes the KV cache", group=ENGINE, minimum=1
-    )
-    max_queue_size: int = setting(
-        64, "most requests waiting for a slot; beyond it RESOURCE_EXHAUSTED", group=ENGINE, minimum=0
-    )
     max_context_length: int = setting(
         2048, "longest sequence (prompt + output) served; sizes the KV cache", group=ENGINE, minimum=1
-    )
-    prefill_chunk_size: int = setting(256, "most prompt tokens per model call", group=ENGINE, minimum=1)
-    stall_free: bool = setting(
-        True,
-        "while streams decode, pace prompt work so a round (prompt chunks and one decode step) keeps "
-        "to --max-step-ms; off: one whole --prefill-chunk-size chunk per round",
-        group=ENGINE,
-    )
-    max_step_ms: float = setting(
-        0.0,
-        "stall-free target for one round in ms (0: twice the measured decode step)",
-        group=ENGINE,
-        minimum=0,
-    )
-    prefix_cache_mb: int = setting(
-        256,
-        "memory for the KV rows of cached prompt prefixes, in MiB (0 turns prefix caching off)",
-        group=ENGINE,
-        minimum=0,
-    )
-    batch_reserved_slots: int = setting(
-        1,
-        "slots BATCH-priority requests leave to the others, so INTERACTIVE work is admitted within one step "
-        "(capped at all slots but one)",
-        group=ENGINE,
-        minimum=0,
-    )
-    preemption: bool = setting(
-        True,
-        "when every slot is busy, swap a running generation out (KV rows copied aside, resumed later "
-        "with no token lost) for a more urgent request, or for a caller under its share of the slots "
-        "when another caller holds more; needs a KV cache in host memory",
-        group=ENGINE,
     )
     result_retention: float = setting(
         300.0,
@@ -255,11 +154,12 @@ class ServerSettings:
     intra_op_threads: int = setting(
         0, "ONNX Runtime threads per operator (0: one per core)", group=ENGINE, minimum=0
     )
+    engine: EngineConfig = settings_group(EngineConfig, group=ENGINE)
     limits: RequestLimits = settings_group(RequestLimits, group=ENGINE)
     formats: FormatLimits = settings_group(FormatLimits, group=ENGINE, prefix="format_")
     host: str = setting("0.0.0.0", "address to listen on", group=NETWORK, metavar="ADDRESS")
     port: int = setting(
-        DEFAULT_PORT, "gRPC port (0 picks one)", group=NETWORK, check=_port_problem, metavar="PORT"
+        DEFAULT_PORT, "gRPC port (0 picks one)", group=NETWORK, check=port_problem, metavar="PORT"
     )
     drain_timeout: float = setting(
         30.0,
@@ -372,10 +272,10 @@ class ServerSettings:
             if health.queue_low_watermark is not None:
                 problems.append("--health-queue-low-watermark: needs --health-queue-high-watermark")
             return problems
-        if not 1 <= high <= self.max_queue_size:
+        if not 1 <= high <= self.engine.max_queue_size:
             problems.append(
                 f"--health-queue-high-watermark: must be between 1 and --max-queue-size "
-                f"({self.max_queue_size}), got {high}"
+                f"({self.engine.max_queue_size}), got {high}"
             )
         low = health.low_watermark
         if low is not None and not 0 <= low < high:

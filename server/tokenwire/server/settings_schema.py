@@ -206,3 +206,8 @@ def _bound_problem(item: Setting, value: Any) -> str | None:
         listed = ", ".join(item.choices[:-1]) + " or " + item.choices[-1]
         return f"must be {listed}, got {value!r}"
     return spec.check(value) if spec.check is not None else None
+
+
+def port_problem(port: int) -> str | None:
+    """The check of a TCP port setting."""
+    return None if 0 <= port <= 65535 else f"{port} is not a TCP port"

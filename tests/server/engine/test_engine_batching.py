@@ -63,7 +63,11 @@ async def test_a_sequence_gets_the_same_tokens_alone_and_in_a_busy_batch(
             session=SessionSettings(device="cpu", intra_op_threads=1),
         ),
     )
-    engine = Engine(loaded.runner, loaded.tokenizer, EngineConfig(max_batch_size=4, prefill_chunk_size=16))
+    engine = Engine(
+        loaded.runner,
+        loaded.tokenizer,
+        EngineConfig(max_batch_size=4, prefill_chunk_size=16, prefix_cache_mb=0),
+    )
     engine.start()
     try:
         target = request(list(range(30, 75)), seed=1, temperature=temperature)

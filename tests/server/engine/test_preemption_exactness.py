@@ -30,7 +30,7 @@ def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_d
 
 
 def engine(model_dir: Path) -> RealEngine:
-    config = EngineConfig(max_batch_size=2, prefix_cache_bytes=0, batch_reserved_slots=0)
+    config = EngineConfig(max_batch_size=2, prefix_cache_mb=0, batch_reserved_slots=0)
     return RealEngine(model_dir, config)
 
 

@@ -29,7 +29,7 @@ def engine_with(model_dir: Path, *, cache: bool, chunk: int = 256) -> RealEngine
     config = EngineConfig(
         max_batch_size=4,
         prefill_chunk_size=chunk,
-        prefix_cache_bytes=(8 << 20) if cache else 0,
+        prefix_cache_mb=8 if cache else 0,
         prefix_block_tokens=BLOCK,
     )
     return RealEngine(model_dir, config)

@@ -116,7 +116,7 @@ def bench(
         max_queue_size=queue,
         prefill_chunk_size=chunk,
         stall_free=stall_free,
-        max_step_seconds=max_step_seconds,
+        max_step_ms=0.0 if max_step_seconds is None else max_step_seconds * 1000,
     )
     engine = Engine(runner, TOKENIZER, config, clock=clock, check_accepting=check_accepting)
     return Bench(engine, runner, clock, Events())

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tokenwire.server.engine.sequence import timing_report
+from tokenwire.server.engine.output import timing_report
 
 
 def test_every_duration_is_measured_from_receipt() -> None:

@@ -28,9 +28,9 @@ from tokenwire.server.engine.errors import ErrorKind, FieldViolation, Generation
 from tokenwire.server.engine.types import AbortReason, EngineEvent, GenerationRequest
 from tokenwire.server.engine.validation import RequestLimits, RequestSpec
 from tokenwire.server.lifecycle import Lifecycle
+from tokenwire.server.metadata import Metadata
 from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.requests import RequestTelemetry
-from tokenwire.server.telemetry.tracing import Metadata
 from tokenwire.v1 import inference_service_pb2 as pb
 
 MAX_REQUEST_ID_LENGTH = RequestLimits().max_request_id_length

@@ -26,8 +26,8 @@ from tokenwire.server.api.errors import status_proto
 from tokenwire.server.api.outbox import Outbox
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed, Started
+from tokenwire.server.metadata import Metadata
 from tokenwire.server.telemetry.requests import RequestTelemetry
-from tokenwire.server.telemetry.tracing import Metadata
 from tokenwire.v1 import inference_service_pb2 as pb
 
 log = logging.getLogger(__name__)

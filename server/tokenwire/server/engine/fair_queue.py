@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
+from tokenwire.server.engine.shares import fair_share
 from tokenwire.server.engine.types import Caller, Priority
 
 
@@ -133,8 +134,7 @@ class FairQueue(Generic[E]):
         """`caller`'s weighted part of `capacity` among the callers queueing now and itself."""
         weights = dict(self._weights)
         weights[caller.name] = caller.weight
-        total = sum(weights.values())
-        return capacity * caller.weight / total if total > 0 else float(capacity)
+        return fair_share(capacity, caller.weight, weights)
 
     def _next(self, allowed: Callable[[E], bool]) -> tuple[_Level[E], str, E] | None:
         for level in self._levels.values():

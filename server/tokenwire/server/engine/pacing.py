@@ -23,6 +23,11 @@ AUTO_STEP_FACTOR = 2.0
 MIN_PACED_CHUNK = 16
 """Prompt tokens a round processes at least, so a prompt always progresses, however slow the step."""
 _SMOOTHING = 0.3
+MIN_CHUNK = 2
+"""Fewest tokens of a prompt one model call runs (all of a shorter prompt): a single token takes
+another kernel path in ONNX Runtime's matrix products, and its KV rows differ in the last bits
+from the same token in a longer chunk. Chunks of two or more keep a prompt's cache identical
+however it was split, and so a prefix cache's copies exact."""
 
 
 @dataclass(frozen=True)
@@ -85,16 +90,14 @@ class PrefillPacer:
 def chunk_length(remaining: int, wanted: int) -> int:
     """How many of a prompt's `remaining` tokens to run in one call, given `wanted`.
 
-    Never leaves a one-token tail and never runs a one-token chunk of a longer prompt: a single
-    token takes another kernel path in ONNX Runtime's matrix products and its KV rows differ in
-    the last bits from the same token in a longer chunk, so chunks of two or more tokens keep a
-    prompt's cache identical however it was split (and a prefix cache's copies exact).
+    Never runs a chunk shorter than MIN_CHUNK of a longer prompt, and never leaves a tail shorter
+    than it.
     """
-    if remaining <= 2:
+    if remaining <= MIN_CHUNK:
         return remaining
-    length = min(remaining, max(2, wanted))
-    if remaining - length == 1:
-        length += 1
+    length = min(remaining, max(MIN_CHUNK, wanted))
+    if 0 < remaining - length < MIN_CHUNK:
+        length = remaining  # the short tail goes along
     return length
 
 

@@ -22,11 +22,10 @@ from typing import Any
 
 import grpc
 
-from tokenwire.server.api import errors
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.types import Caller
+from tokenwire.server.metadata import Metadata
 from tokenwire.server.security.callers import TokenLineError, default_name, parse_token_line
-from tokenwire.server.telemetry.tracing import Metadata
 
 AUTH_TOKENS_ENV = "TOKENWIRE_AUTH_TOKENS"
 LOAD_BALANCER_SERVICE_PREFIXES = ("/grpc.health.v1.Health/", "/xds.service.orca.v3.OpenRcaService/")
@@ -43,6 +42,8 @@ INVALID = GenerationError(ErrorKind.UNAUTHENTICATED, "the bearer token is not va
 
 RefusalListener = Callable[[str, Metadata | None, GenerationError], None]
 """Hears (full method name, call metadata, error) for each refused call."""
+Refuse = Callable[[grpc.aio.ServicerContext, GenerationError], Awaitable[None]]
+"""Ends a call with an error's status (the wire edge owns how errors become statuses)."""
 
 
 class TokenFileError(ValueError):
@@ -96,9 +97,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self,
         tokens: Iterable[str],
         *,
+        refuse: Refuse,
         protect_health: bool = False,
         on_refused: RefusalListener | None = None,
     ) -> None:
+        self._refuse = refuse
         self._digests = tuple(_digest(token.encode()) for token in tokens)
         if not self._digests:
             raise ValueError("authentication needs at least one token")
@@ -122,7 +125,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
             return handler
         if self._on_refused is not None:
             self._on_refused(method, metadata, error)
-        return _refusal(handler, error)
+        return _refusal(handler, error, self._refuse)
 
     def _check(self, metadata: Metadata | None) -> GenerationError | None:
         presented = _bearer_token(metadata)
@@ -151,7 +154,7 @@ def _digest(token: bytes) -> bytes:
     return hashlib.sha256(token).digest()
 
 
-def _refusal(handler: grpc.RpcMethodHandler, error: GenerationError) -> grpc.RpcMethodHandler:
+def _refusal(handler: grpc.RpcMethodHandler, error: GenerationError, end: Refuse) -> grpc.RpcMethodHandler:
     """A handler that ends the call with `error` without reading, let alone decoding, its body.
 
     It takes requests as a stream whatever the method's shape (the wire format is the same), so
@@ -160,7 +163,7 @@ def _refusal(handler: grpc.RpcMethodHandler, error: GenerationError) -> grpc.Rpc
     """
 
     async def refuse(requests: Any, context: grpc.aio.ServicerContext) -> None:
-        await errors.abort(context, error)
+        await end(context, error)
 
     if handler.response_streaming:
         return grpc.stream_stream_rpc_method_handler(refuse)

@@ -19,7 +19,7 @@ import re
 from collections.abc import Iterable
 
 from tokenwire.server.engine.types import ANONYMOUS, Caller
-from tokenwire.server.telemetry.tracing import Metadata
+from tokenwire.server.metadata import Metadata
 
 AUTHORIZATION = "authorization"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

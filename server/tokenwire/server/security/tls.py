@@ -8,10 +8,25 @@ with a message naming the flag instead of failing every handshake later.
 from __future__ import annotations
 
 import ssl
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
-from tokenwire.server.config import TlsSettings
+from tokenwire.server.settings_schema import setting
+
+
+@dataclass(frozen=True)
+class TlsSettings:
+    cert: Path | None = setting(None, "server certificate chain (PEM); with --tls-key enables TLS")
+    key: Path | None = setting(None, "server private key (PEM)")
+    client_ca: Path | None = setting(
+        None, "CA certificate (PEM) client certificates must chain to; enables mutual TLS"
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.cert is not None
 
 
 def problems(tls: TlsSettings) -> list[str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
@@ -19,7 +20,6 @@ from opentelemetry.sdk.trace import SpanProcessor, TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
 from prometheus_client import CollectorRegistry
 
-from tokenwire.server.config import ServerSettings
 from tokenwire.server.telemetry.access_log import AccessLog
 from tokenwire.server.telemetry.metrics import QueueSource, ServerMetrics
 from tokenwire.server.telemetry.metrics_endpoint import (
@@ -30,6 +30,7 @@ from tokenwire.server.telemetry.metrics_endpoint import (
     tls_context,
 )
 from tokenwire.server.telemetry.requests import RequestTelemetry
+from tokenwire.server.telemetry.settings import TelemetrySettings
 from tokenwire.server.telemetry.tracing import RequestTracer
 
 log = logging.getLogger(__name__)
@@ -42,20 +43,33 @@ def otlp_exporter_installed() -> bool:
     return importlib.util.find_spec(OTLP_EXPORTER_MODULE) is not None
 
 
+@dataclass(frozen=True)
+class MetricsTls:
+    """The TLS files the metrics endpoint serves with (the gRPC port's)."""
+
+    cert: str
+    key: str
+    client_ca: str | None = None
+
+
 class Telemetry:
     """Build with the settings, start() with the server, shutdown() when it has stopped."""
 
     def __init__(
         self,
-        server_settings: ServerSettings,
+        settings: TelemetrySettings,
         *,
+        metrics_address: str,
         engines: Callable[[], Sequence[QueueSource]],
+        tokens: Sequence[str] = (),
+        tls: MetricsTls | None = None,
         span_exporter: SpanExporter | None = None,
     ) -> None:
-        settings = server_settings.telemetry
-        self._server_settings = server_settings
+        """`tokens` and `tls` are the gRPC port's, for an endpoint that asks for them too."""
         self._settings = settings
-        self._host = server_settings.metrics_address
+        self._host = metrics_address
+        self._tokens = tuple(tokens)
+        self._tls = tls
         self._registry: CollectorRegistry | None = None
         self._endpoint: MetricsEndpoint | None = None
         self.metrics_page: RenderedPage | None = None
@@ -102,14 +116,12 @@ class Telemetry:
         port = self._settings.metrics_port
         if self._registry is None or port is None:
             return
-        server = self._server_settings
         self.metrics_page = RenderedPage(self._registry, self._settings.metrics_cache_seconds)
-        tokens = TokenCheck(server.auth.tokens) if self._settings.metrics_auth else None
+        tokens = TokenCheck(self._tokens) if self._settings.metrics_auth else None
         tls = None
         if self._settings.metrics_tls:
-            assert server.tls.cert is not None and server.tls.key is not None
-            client_ca = None if server.tls.client_ca is None else str(server.tls.client_ca)
-            tls = tls_context(str(server.tls.cert), str(server.tls.key), client_ca)
+            assert self._tls is not None, "--metrics-tls needs the gRPC port's TLS files"
+            tls = tls_context(self._tls.cert, self._tls.key, self._tls.client_ca)
         try:
             endpoint = MetricsEndpoint(self.metrics_page, self._host, port, tokens=tokens, tls=tls)
         except OSError as error:

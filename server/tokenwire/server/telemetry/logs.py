@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from datetime import datetime, timezone
 from typing import Any
 
-from tokenwire.server.config import LogFormat
+from tokenwire.server.telemetry.settings import LogFormat
 
 FIELDS_ATTRIBUTE = "fields"
 _TEXT_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"

@@ -16,10 +16,11 @@ from collections.abc import Callable
 from tokenwire.server.engine.errors import GenerationError, excerpt
 from tokenwire.server.engine.types import Completed, EngineEvent, Failed, Outcome
 from tokenwire.server.engine.validation import RequestSpec
+from tokenwire.server.metadata import Metadata
 from tokenwire.server.telemetry.access_log import AccessLog
 from tokenwire.server.telemetry.metrics import ServerMetrics
 from tokenwire.server.telemetry.summary import RequestParameters, RequestSummary, Stages
-from tokenwire.server.telemetry.tracing import Metadata, RequestTracer, caller_context, trace_id_of
+from tokenwire.server.telemetry.tracing import RequestTracer, caller_context, trace_id_of
 
 log = logging.getLogger(__name__)
 

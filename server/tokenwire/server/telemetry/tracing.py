@@ -8,8 +8,6 @@ OpenTelemetry GenAI semantic conventions; no metadata (so no bearer token) is ev
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from opentelemetry import trace
 from opentelemetry.context import Context
 from opentelemetry.trace import SpanKind, Status, StatusCode, Tracer
@@ -17,11 +15,11 @@ from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapProp
 from opentelemetry.util.types import AttributeValue
 
 from tokenwire.server.engine.types import Outcome
+from tokenwire.server.metadata import Metadata
 from tokenwire.server.telemetry.summary import RequestSummary
 
 RPC_SERVICE = "tokenwire.v1.InferenceService"
 
-Metadata = Sequence[tuple[str, str | bytes]]
 """gRPC invocation metadata: (key, value) pairs, bytes for keys ending in -bin."""
 
 _PROPAGATOR = TraceContextTextMapPropagator()

@@ -1,4 +1,8 @@
-"""One running generation: its tokens, text, stop conditions and timestamps.
+"""What one request has produced: its tokens, text, stop conditions, log-probabilities and times.
+
+The engine core keeps one per request in a slot and updates it with every sampled token: the
+sampler (with its seeded generator and penalties' history), the incremental detokenizer and the
+stop-string matcher live here, so the scheduler needs neither a tokenizer nor a sampler.
 
 Owned by the engine thread; nothing here is shared with the event loop.
 """
@@ -7,9 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tokenwire.server.engine.prefix_cache import PrefixLease
 from tokenwire.server.engine.types import (
-    EventSink,
     FinishReason,
     GenerationRequest,
     GenerationResult,
@@ -33,10 +35,8 @@ class StepOutput:
 
 
 @dataclass
-class Sequence:
-    key: int
+class RequestOutput:
     request: GenerationRequest
-    sink: EventSink
     tokenizer: Tokenizer
     eos_token_ids: frozenset[int]
     context_length: int
@@ -44,16 +44,10 @@ class Sequence:
     constraint: TokenConstraint | None = None
     """The matcher of the request's response format, if it has one."""
     sampler: SequenceSampler = field(init=False)
-    prefilled: int = 0
-    """Prompt tokens already in the KV cache (processed, or copied from the prefix cache)."""
     cached_prompt_tokens: int = 0
-    """Of those, tokens copied from the prefix cache."""
+    """Prompt tokens whose KV rows were copied from the prefix cache instead of prefilled."""
     prefill_seconds: float = 0.0
     """Time spent on this prompt's own model calls and cache copies (not waiting on others)."""
-    prefix_lease: PrefixLease | None = None
-    """The prefix-cache blocks this sequence holds; None until its prompt was looked up."""
-    prefix_cache_full: bool = False
-    """The cache took no more of this prompt's blocks; stop offering them."""
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -68,19 +62,6 @@ class Sequence:
         self.sampler = SequenceSampler(self.request.sampling, history=history, constraint=self.constraint)
         self._detokenizer = IncrementalDetokenizer(self.tokenizer, self.request.prompt_ids)
         self._stops = StopStringMatcher(self.request.stopping.stop_strings)
-
-    @property
-    def prompt_ids(self) -> tuple[int, ...]:
-        return self.request.prompt_ids
-
-    @property
-    def prefill_done(self) -> bool:
-        return self.prefilled >= len(self.request.prompt_ids)
-
-    @property
-    def cached_positions(self) -> int:
-        """Token positions this sequence holds in the KV cache (its newest token is not in yet)."""
-        return self.prefilled + max(0, len(self.output_ids) - 1)
 
     @property
     def last_token(self) -> int:

@@ -1,0 +1,66 @@
+"""The engine's settings, declared once: `tokenwire serve` derives a flag, a TOKENWIRE_* variable
+and a TOML key from each field (settings_schema.py), and the server hands the group to the engine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenwire.server.settings_schema import ENGINE, setting
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    max_batch_size: int = setting(
+        8, "most sequences decoded together; sizes the KV cache", group=ENGINE, minimum=1
+    )
+    max_queue_size: int = setting(
+        64, "most requests waiting for a slot; beyond it RESOURCE_EXHAUSTED", group=ENGINE, minimum=0
+    )
+    prefill_chunk_size: int = setting(256, "most prompt tokens per model call", group=ENGINE, minimum=1)
+    stall_free: bool = setting(
+        True,
+        "while streams decode, pace prompt work so a round (prompt chunks and one decode step) keeps "
+        "to --max-step-ms; off: one whole --prefill-chunk-size chunk per round",
+        group=ENGINE,
+    )
+    max_step_ms: float = setting(
+        0.0,
+        "stall-free target for one round in ms (0: twice the measured decode step)",
+        group=ENGINE,
+        minimum=0,
+    )
+    prefix_cache_mb: int = setting(
+        256,
+        "memory for the KV rows of cached prompt prefixes, in MiB (0 turns prefix caching off)",
+        group=ENGINE,
+        minimum=0,
+    )
+    prefix_block_tokens: int = setting(
+        16,
+        "prompt tokens per prefix-cache block: prefixes are reused in whole blocks",
+        group=ENGINE,
+        minimum=1,
+    )
+    batch_reserved_slots: int = setting(
+        1,
+        "slots BATCH-priority requests leave to the others, so INTERACTIVE work is admitted within one step "
+        "(capped at all slots but one)",
+        group=ENGINE,
+        minimum=0,
+    )
+    preemption: bool = setting(
+        True,
+        "when every slot is busy, swap a running generation out (KV rows copied aside, resumed later "
+        "with no token lost) for a more urgent request, or for a caller under its share of the slots "
+        "when another caller holds more; needs a KV cache in host memory",
+        group=ENGINE,
+    )
+
+    @property
+    def max_step_seconds(self) -> float | None:
+        """The stall-free round target; None: a multiple of the measured decode step."""
+        return self.max_step_ms / 1000 if self.max_step_ms > 0 else None
+
+    @property
+    def prefix_cache_bytes(self) -> int:
+        return self.prefix_cache_mb * 2**20

@@ -1,0 +1,162 @@
+"""KV rows kept beyond a slot: cached prompt prefixes and preempted generations.
+
+The one user of the runners' KV row access (`KvRowAccess`): it copies a prompt's blocks into the
+prefix cache as they are prefilled and copies a cached prefix into a new request's slot instead
+of prefilling it; and it copies a preempted generation's rows aside and back into a slot. A
+runner whose cache lives on a device cannot copy rows: both are then off, said once at start.
+
+Used from the engine thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from tokenwire.server.engine.pacing import MIN_CHUNK
+from tokenwire.server.engine.prefix_cache import PrefixCache, PrefixCacheStats, PrefixLease
+from tokenwire.server.models.runner import KvRowAccess, ModelRunner
+
+log = logging.getLogger(__name__)
+
+_NO_ROW_COPIES = "its runner cannot copy KV rows (a KV cache on a device)"
+
+
+@dataclass
+class _PromptCaching:
+    """One request's part in the prefix cache: the blocks it holds, and whether to offer more."""
+
+    lease: PrefixLease
+    full: bool = False
+    """The cache took no more of this prompt's blocks; stop offering them."""
+
+
+class KvReuse:
+    """Prefix-cache hits and inserts, and swapping preempted generations out and in."""
+
+    def __init__(
+        self,
+        runner: ModelRunner,
+        *,
+        prefix_cache_bytes: int,
+        prefix_block_tokens: int,
+        swapping: bool,
+    ) -> None:
+        name = runner.info.name
+        rows = runner if isinstance(runner, KvRowAccess) and runner.kv_bytes_per_token() > 0 else None
+        self._rows = rows
+        self._cache: PrefixCache | None = None
+        self.notes: list[str] = []
+        """What was set up and what could not be, for the engine's start-up log."""
+        if prefix_cache_bytes > 0:
+            if rows is None:
+                self.notes.append(
+                    f"prefix cache off for {name}: its runner cannot copy KV rows (a KV cache on a device)"
+                )
+            else:
+                room = prefix_cache_bytes // rows.kv_bytes_per_token()
+                self.notes.append(
+                    f"prefix cache for {name}: {prefix_cache_bytes / 2**20:.0f} MiB, room for about "
+                    f"{room} prompt tokens in blocks of {prefix_block_tokens}"
+                )
+                self._cache = PrefixCache(capacity_bytes=prefix_cache_bytes, block_tokens=prefix_block_tokens)
+        if swapping and rows is None:
+            self.notes.append(
+                f"preemption off for {name}: its runner cannot copy KV rows (a KV cache on a device)"
+            )
+        self._swapping = swapping and rows is not None
+        self._caching: dict[int, _PromptCaching] = {}
+        self._swapped: dict[int, np.ndarray] = {}
+
+    @property
+    def can_swap(self) -> bool:
+        return self._swapping
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self._cache is not None
+
+    def prefix_stats(self) -> PrefixCacheStats | None:
+        return self._cache.stats() if self._cache is not None else None
+
+    # -- prefix cache ----------------------------------------------------------------------------
+
+    def looked_up(self, key: int) -> bool:
+        return key in self._caching
+
+    def load_prefix(self, key: int, prompt: Sequence[int]) -> int:
+        """Start a request from the longest cached prefix of its prompt; the tokens loaded (0: none)."""
+        if self._cache is None or self._rows is None:
+            return 0
+        # At least MIN_CHUNK prompt tokens are left to prefill: the last one's logits are needed,
+        # and a shorter chunk would compute them differently from a prefill without the cache.
+        lease = self._cache.lookup(prompt, limit=len(prompt) - MIN_CHUNK)
+        self._caching[key] = _PromptCaching(lease)
+        if not lease.tokens:
+            return 0
+        try:
+            return self._rows.start_from_kv(key, lease.kv())
+        except Exception:
+            log.exception("copying a cached prefix failed for request key %d", key)
+            self._cache.release(lease)  # it prefills from the start instead
+            self._caching[key] = _PromptCaching(PrefixLease(block_tokens=lease.block_tokens), full=True)
+            return 0
+
+    def cache_prompt(self, key: int, prompt: Sequence[int], prefilled: int) -> None:
+        """Copy the prompt's newly completed full blocks into the prefix cache, and once the whole
+        prompt is in, its last partial block too (a chat's next turn resends the whole prompt)."""
+        caching = self._caching.get(key)
+        if self._cache is None or self._rows is None or caching is None or caching.full:
+            return
+        cache, rows, lease = self._cache, self._rows, caching.lease
+        size = cache.block_tokens
+        have, full = len(lease.blocks), prefilled // size
+        if full > have:
+            try:
+                # One read per block: each block is its own array, freed on its own when evicted.
+                blocks = [rows.read_kv(key, i * size, (i + 1) * size) for i in range(have, full)]
+            except Exception:
+                log.exception("caching the prompt of request key %d failed", key)
+                caching.full = True
+                return
+            if cache.extend(lease, prompt, blocks) < len(blocks):
+                caching.full = True  # the rest would not fit either
+                return
+        length = len(prompt)
+        if prefilled < length or length % size == 0 or len(lease.blocks) != length // size:
+            return
+        try:
+            tail = rows.read_kv(key, length // size * size, length)
+        except Exception:
+            log.exception("caching the prompt of request key %d failed", key)
+            return
+        cache.add_tail(lease, prompt, tail)
+
+    # -- preemption ------------------------------------------------------------------------------
+
+    def swap_out(self, key: int, positions: int) -> bool:
+        """Copy a generation's first `positions` KV rows aside; False (it keeps its slot) on failure."""
+        assert self._rows is not None, "swapping needs a runner that copies KV rows"
+        try:
+            self._swapped[key] = self._rows.read_kv(key, 0, positions)
+        except Exception:
+            log.exception("swapping out request key %d failed; it keeps its slot", key)
+            return False
+        return True
+
+    def swap_in(self, key: int) -> None:
+        """Copy a swapped-out generation's rows back into its (new) slot. Raises on failure."""
+        assert self._rows is not None, "swapping needs a runner that copies KV rows"
+        self._rows.start_from_kv(key, [self._swapped.pop(key)])
+
+    # -- ending ----------------------------------------------------------------------------------
+
+    def release(self, key: int) -> None:
+        """A request ended: its cached blocks may be evicted again, and set-aside rows are dropped."""
+        caching = self._caching.pop(key, None)
+        if caching is not None and self._cache is not None:
+            self._cache.release(caching.lease)
+        self._swapped.pop(key, None)

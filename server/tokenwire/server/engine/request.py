@@ -1,0 +1,127 @@
+"""A live request as the scheduler sees it: one object from submit to finish, with an explicit status.
+
+A request is in exactly one status at a time and moves only forward through them, except that
+preemption takes a decoding request back to the queue (SWAPPED_OUT) and resumption returns it:
+
+    WAITING_FOR_FORMAT -> WAITING -> PREFILLING -> DECODING -> FINISHED
+                                                   DECODING <-> SWAPPED_OUT
+
+One progress counter, `computed_tokens`, says how many of its positions are in the KV cache
+(prompt tokens prefilled or copied from the prefix cache, then one more per decode step), and
+`generated_tokens` how many tokens it has produced. The text, sampler and stop matching of its
+output live with the engine core (output.py), so the scheduler needs no tokenizer.
+
+`RequestTable` is the one index of live requests by key. The engine thread changes requests and
+the table; the event loop reads the table (queue admission) only under the engine's lock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from enum import Enum
+from typing import TYPE_CHECKING
+
+from tokenwire.server.engine.types import Caller, EventSink, GenerationRequest, Priority
+
+if TYPE_CHECKING:  # a compiled format is opaque here: the scheduler only waits for it
+    from tokenwire.server.sampling.constraint import CompiledFormat
+
+
+class RequestStatus(Enum):
+    WAITING_FOR_FORMAT = "waiting for its format"
+    """Queued, its response format still compiling; it waits, and lets its caller's next go first."""
+    WAITING = "waiting"
+    """Queued for a slot."""
+    PREFILLING = "prefilling"
+    """In a slot; its prompt is being processed, chunk by chunk."""
+    DECODING = "decoding"
+    """In a slot, producing a token each step."""
+    SWAPPED_OUT = "swapped out"
+    """Preempted: its KV rows copied aside, queued to get a slot back and decode on."""
+    FINISHED = "finished"
+
+
+QUEUED = frozenset({RequestStatus.WAITING_FOR_FORMAT, RequestStatus.WAITING, RequestStatus.SWAPPED_OUT})
+RUNNING = frozenset({RequestStatus.PREFILLING, RequestStatus.DECODING})
+
+
+@dataclass(eq=False)
+class Request:
+    key: int
+    spec: GenerationRequest
+    sink: EventSink
+    response_format: Future[CompiledFormat] | None = None
+    """The request's compiled format, once a worker has it; the request waits until then."""
+    status: RequestStatus = RequestStatus.WAITING
+    computed_tokens: int = 0
+    """Positions of this request in the KV cache: prompt tokens first, then one per decode step."""
+    generated_tokens: int = 0
+    started_at: float | None = None
+    """When it first got a slot (its prefill began)."""
+
+    def __post_init__(self) -> None:
+        if self.response_format is not None and not self.response_format.done():
+            self.status = RequestStatus.WAITING_FOR_FORMAT
+
+    # What the fair queue asks of an entry.
+    @property
+    def caller(self) -> Caller:
+        return self.spec.caller
+
+    @property
+    def priority(self) -> Priority:
+        return self.spec.priority
+
+    @property
+    def ready(self) -> bool:
+        """May take a slot: not waiting for its format (a compile worker finishes it off-thread)."""
+        return self.response_format is None or self.response_format.done()
+
+    @property
+    def prompt_length(self) -> int:
+        return len(self.spec.prompt_ids)
+
+    @property
+    def prompt_remaining(self) -> int:
+        return max(0, self.prompt_length - self.computed_tokens)
+
+    @property
+    def swappable(self) -> bool:
+        """Decoding with a token produced, so its KV rows and state can be set aside and resumed."""
+        return self.status is RequestStatus.DECODING and self.generated_tokens > 0
+
+    def past_deadline(self, now: float) -> bool:
+        return self.spec.deadline is not None and now >= self.spec.deadline
+
+
+class RequestTable:
+    """Every live request by key, in submission order."""
+
+    def __init__(self) -> None:
+        self._by_key: dict[int, Request] = {}
+
+    def __len__(self) -> int:
+        return len(self._by_key)
+
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._by_key.values())
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._by_key
+
+    def add(self, request: Request) -> None:
+        self._by_key[request.key] = request
+
+    def get(self, key: int) -> Request | None:
+        return self._by_key.get(key)
+
+    def __getitem__(self, key: int) -> Request:
+        return self._by_key[key]
+
+    def remove(self, key: int) -> Request | None:
+        return self._by_key.pop(key, None)
+
+    def keys(self) -> list[int]:
+        return list(self._by_key)

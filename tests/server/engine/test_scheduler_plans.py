@@ -1,0 +1,397 @@
+"""The scheduler's plans, from hand-made requests and clock readings: no runner, no tokenizer, no thread.
+
+Each test builds requests, asks `Scheduler.schedule` for a plan and, where a round's result
+matters, hands back a `RoundOutcome` written by hand, as the engine core would.
+"""
+
+from __future__ import annotations
+
+import math
+from concurrent.futures import Future
+from typing import cast
+
+import pytest
+
+from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.pacing import MIN_PACED_CHUNK
+from tokenwire.server.engine.plan import Abort, Finished, RoundOutcome, RoundPlan
+from tokenwire.server.engine.request import Request, RequestStatus
+from tokenwire.server.engine.scheduler import Scheduler, SchedulerConfig
+from tokenwire.server.engine.types import (
+    AbortReason,
+    Caller,
+    EngineEvent,
+    FinishReason,
+    GenerationRequest,
+    Priority,
+    StopConditions,
+)
+from tokenwire.server.sampling.constraint import CompiledFormat
+from tokenwire.server.sampling.params import SamplingParams
+
+NOW = 100.0
+
+
+def ignore(_: EngineEvent) -> None:
+    pass
+
+
+class Requests:
+    """Numbers requests as the engine does and remembers them by name."""
+
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
+        self.by_name: dict[str, Request] = {}
+
+    def add(
+        self,
+        name: str,
+        *,
+        prompt: int = 8,
+        caller: Caller | None = None,
+        priority: Priority = Priority.DEFAULT,
+        deadline: float | None = None,
+        response_format: Future[CompiledFormat] | None = None,
+    ) -> Request:
+        spec = GenerationRequest(
+            request_id=name,
+            model="m",
+            prompt_ids=tuple(range(1, prompt + 1)),
+            sampling=SamplingParams(),
+            stopping=StopConditions(max_new_tokens=16),
+            received_at=NOW,
+            deadline=deadline,
+            caller=caller or Caller("anonymous"),
+            priority=priority,
+        )
+        request = Request(len(self.by_name) + 1, spec, ignore, response_format)
+        self.scheduler.add(request)
+        self.by_name[name] = request
+        return request
+
+    def names(self, keys: tuple[int, ...]) -> list[str]:
+        by_key = {r.key: name for name, r in self.by_name.items()}
+        return [by_key[key] for key in keys]
+
+
+def scheduler(
+    *,
+    slots: int = 2,
+    queue: int = 8,
+    chunk: int = 256,
+    stall_free: bool = True,
+    reserved: int = 1,
+    preemption: bool = True,
+) -> tuple[Scheduler, Requests]:
+    built = Scheduler(
+        SchedulerConfig(
+            slots=slots,
+            max_queue_size=queue,
+            prefill_chunk_size=chunk,
+            stall_free=stall_free,
+            max_step_seconds=None,
+            batch_reserved_slots=reserved,
+            preemption=preemption,
+        )
+    )
+    return built, Requests(built)
+
+
+def prefill_all(s: Scheduler, plan: RoundPlan) -> None:
+    """The outcome of a round that ran every planned prompt to its first token."""
+    s.update(
+        RoundOutcome(
+            prompt_positions={key: plan.requests[key].prompt_remaining for key in plan.prompts.order},
+            first_tokens=list(plan.prompts.order),
+        )
+    )
+
+
+# -- admission ---------------------------------------------------------------------------------
+
+
+def test_free_slots_go_to_waiting_requests_in_arrival_order() -> None:
+    s, r = scheduler(slots=2)
+    for name in ("a", "b", "c"):
+        r.add(name)
+
+    plan = s.schedule(NOW)
+
+    assert r.names(plan.admitted) == ["a", "b"]
+    assert [r.by_name[n].status for n in "abc"] == [
+        RequestStatus.PREFILLING,
+        RequestStatus.PREFILLING,
+        RequestStatus.WAITING,
+    ]
+    assert r.by_name["a"].started_at == NOW and r.by_name["c"].started_at is None
+    assert s.queue_depth == 1
+
+
+def test_with_nothing_decoding_the_prompt_budget_is_unbounded_and_paced_once_a_stream_decodes() -> None:
+    s, r = scheduler()
+    r.add("a")
+    r.add("b")
+
+    plan = s.schedule(NOW)
+
+    assert r.names(plan.prompts.order) == ["a", "b"]
+    assert math.isinf(plan.prompts.budget)
+    # Nothing measured yet: the smallest paced chunk, whose time teaches the cost.
+    assert plan.prompts.paced_budget == MIN_PACED_CHUNK
+    assert plan.decode == ()
+
+
+def test_a_prompt_done_decodes_in_the_next_round_and_bounds_prompt_work() -> None:
+    s, r = scheduler(slots=2)
+    r.add("a")
+    prefill_all(s, s.schedule(NOW))
+    s.update(RoundOutcome(prompt_chunks=[(100, 0.1)], decode_seconds=0.02))
+    r.add("b", prompt=300)
+
+    plan = s.schedule(NOW + 1)
+
+    assert r.by_name["a"].status is RequestStatus.DECODING
+    assert r.names(plan.decode) == ["a"]
+    assert r.names(plan.admitted) == ["b"]
+    # Twice the 20 ms step, less the step itself, at 1 ms a prompt token.
+    assert plan.prompts.budget == 20
+
+
+def test_without_stall_free_pacing_a_round_runs_one_chunk_while_streams_decode() -> None:
+    s, r = scheduler(chunk=64, stall_free=False)
+    r.add("a")
+    prefill_all(s, s.schedule(NOW))
+    r.add("b", prompt=300)
+
+    assert s.schedule(NOW).prompts.budget == 64
+
+
+def test_progress_and_first_tokens_come_back_from_the_outcome() -> None:
+    s, r = scheduler(slots=1)
+    a = r.add("a", prompt=10)
+    s.schedule(NOW)
+
+    s.update(RoundOutcome(prompt_positions={a.key: 6}))
+    assert (a.status, a.computed_tokens, a.prompt_remaining) == (RequestStatus.PREFILLING, 6, 4)
+
+    s.update(RoundOutcome(prompt_positions={a.key: 4}, first_tokens=[a.key]))
+    s.update(RoundOutcome(decoded=[a.key]))
+    assert (a.status, a.computed_tokens, a.generated_tokens) == (RequestStatus.DECODING, 11, 2)
+    assert s.occupancy().kv_positions_used == 11
+
+
+def test_batch_requests_leave_the_reserved_slots_to_the_others() -> None:
+    s, r = scheduler(slots=2, reserved=1)
+    r.add("b1", priority=Priority.BATCH)
+    r.add("b2", priority=Priority.BATCH)
+
+    plan = s.schedule(NOW)
+
+    assert r.names(plan.admitted) == ["b1"]
+    r.add("i", priority=Priority.INTERACTIVE)
+    assert r.names(s.schedule(NOW).admitted) == ["i"]
+
+
+def test_a_request_waits_for_its_format_and_lets_the_next_go_first() -> None:
+    s, r = scheduler(slots=1)
+    compiling: Future[CompiledFormat] = Future()
+    r.add("formatted", response_format=compiling)
+    r.add("plain")
+
+    assert r.by_name["formatted"].status is RequestStatus.WAITING_FOR_FORMAT
+    assert r.names(s.schedule(NOW).admitted) == ["plain"]
+    s.update(RoundOutcome(finished=[Finished(r.by_name["plain"].key, 1.0)]))
+    assert not s.has_work()  # a slot is free, but nothing waiting can take it yet
+
+    compiling.set_result(cast(CompiledFormat, object()))
+    assert s.has_work()
+    assert r.names(s.schedule(NOW).admitted) == ["formatted"]
+
+
+def test_a_format_that_failed_to_compile_ends_its_request_with_the_error() -> None:
+    s, r = scheduler(slots=1)
+    failed: Future[CompiledFormat] = Future()
+    failed.set_exception(GenerationError(ErrorKind.INVALID_ARGUMENT, "bad schema", reason="BAD_FORMAT"))
+    request = r.add("formatted", response_format=failed)
+
+    plan = s.schedule(NOW)
+
+    assert plan.admitted == ()
+    [ending] = plan.endings
+    assert ending.key == request.key and isinstance(ending.end, GenerationError)
+    assert ending.end.kind is ErrorKind.INVALID_ARGUMENT
+
+
+# -- fair shares -------------------------------------------------------------------------------
+
+
+def test_the_quiet_caller_s_prompt_gets_the_budget_before_a_flood_s() -> None:
+    s, r = scheduler(slots=4)
+    flood, quiet = Caller("flood"), Caller("quiet")
+    for i in range(3):
+        r.add(f"f{i}", caller=flood)
+    r.add("q", caller=quiet)
+
+    plan = s.schedule(NOW)
+
+    assert r.names(plan.admitted) == ["f0", "q", "f1", "f2"]  # fair turns
+    assert r.names(plan.prompts.order) == ["q", "f0", "f1", "f2"]  # fewest slots for its weight first
+
+
+def test_a_full_queue_refuses_a_caller_over_its_share_but_not_one_under_it() -> None:
+    s, r = scheduler(slots=1, queue=2)
+    flood = Caller("flood")
+    for i in range(3):
+        r.add(f"f{i}", caller=flood)
+    s.schedule(NOW)
+
+    refused = s.refusal(flood, live=3)
+    assert refused is not None and refused.reason == "QUEUE_FULL"
+    # Two waiting and itself, one slot: three batches of one second's service each.
+    assert refused.retry_after == pytest.approx(3.0)
+    assert s.refusal(Caller("quiet"), live=3) is None
+
+    r.add("q", caller=Caller("quiet"))
+    over = s.refusal(flood, live=4)
+    assert over is not None and over.reason == "CALLER_OVER_SHARE"
+
+
+def test_a_caller_s_own_queue_limit_refuses_before_the_queue_is_full() -> None:
+    s, r = scheduler(slots=1, queue=8)
+    limited = Caller("limited", max_queued=1)
+    r.add("a", caller=limited)
+
+    refused = s.refusal(limited, live=1)
+    assert refused is not None and refused.reason == "CALLER_QUEUE_FULL"
+
+
+def test_service_times_set_the_retry_hint() -> None:
+    s, r = scheduler(slots=1, queue=1)
+    a = r.add("a")
+    s.schedule(NOW)
+    s.update(RoundOutcome(finished=[Finished(a.key, service_seconds=6.0)]))
+
+    assert len(s) == 0
+    assert s.retry_after() == pytest.approx(0.8 * 1.0 + 0.2 * 6.0)
+
+
+# -- preemption --------------------------------------------------------------------------------
+
+
+def decoding(s: Scheduler, r: Requests, *names: str, **kwargs: object) -> None:
+    for name in names:
+        r.add(name, **kwargs)  # type: ignore[arg-type]
+    prefill_all(s, s.schedule(NOW))
+
+
+def test_batch_work_gives_its_slot_to_more_urgent_work() -> None:
+    s, r = scheduler(slots=1, reserved=0)
+    decoding(s, r, "batch", priority=Priority.BATCH)
+    r.add("urgent", priority=Priority.INTERACTIVE)
+
+    plan = s.schedule(NOW)
+
+    assert plan.preemption is not None
+    assert r.names((plan.preemption.victim, plan.preemption.beneficiary)) == ["batch", "urgent"]
+    assert plan.preemption.positions == r.by_name["batch"].computed_tokens
+    assert r.names(plan.admitted) == ["urgent"]
+    assert r.by_name["batch"].status is RequestStatus.SWAPPED_OUT
+    assert plan.decode == ()
+
+
+def test_a_caller_over_its_share_gives_a_slot_to_a_caller_under_it() -> None:
+    s, r = scheduler(slots=2, reserved=0)
+    decoding(s, r, "f0", "f1", caller=Caller("flood"))
+    r.add("q", caller=Caller("quiet"))
+
+    plan = s.schedule(NOW)
+
+    assert plan.preemption is not None
+    assert r.names((plan.preemption.beneficiary,)) == ["q"]
+    assert r.by_name[r.names((plan.preemption.victim,))[0]].caller.name == "flood"
+
+
+def test_no_preemption_when_the_waiting_caller_already_holds_its_share() -> None:
+    s, r = scheduler(slots=2, reserved=0)
+    decoding(s, r, "a", caller=Caller("a"))
+    decoding(s, r, "b", caller=Caller("b"))
+    r.add("a2", caller=Caller("a"))
+
+    assert s.schedule(NOW).preemption is None
+
+
+def test_a_swapped_out_generation_resumes_when_its_turn_comes() -> None:
+    s, r = scheduler(slots=1, reserved=0)
+    decoding(s, r, "batch", priority=Priority.BATCH)
+    r.add("urgent", priority=Priority.INTERACTIVE)
+    prefill_all(s, s.schedule(NOW))
+    urgent = r.by_name["urgent"]
+    s.update(RoundOutcome(finished=[Finished(urgent.key, 1.0)]))
+
+    plan = s.schedule(NOW)
+
+    assert r.names(plan.admitted) == ["batch"]
+    assert r.by_name["batch"].status is RequestStatus.DECODING
+    assert r.names(plan.decode) == ["batch"]  # it decodes on: no prompt to run again
+    assert plan.prompts.order == ()
+
+
+def test_a_failed_swap_leaves_the_victim_decoding_and_its_beneficiary_waiting() -> None:
+    s, r = scheduler(slots=1, reserved=0)
+    decoding(s, r, "batch", priority=Priority.BATCH)
+    r.add("urgent", priority=Priority.INTERACTIVE)
+    s.schedule(NOW)
+
+    s.update(RoundOutcome(preemption_failed=True))
+
+    assert r.by_name["batch"].status is RequestStatus.DECODING
+    assert r.by_name["urgent"].status is RequestStatus.WAITING and r.by_name["urgent"].started_at is None
+    assert s.queue_depth == 1 and [x.key for x in s.running()] == [r.by_name["batch"].key]
+
+
+# -- endings -----------------------------------------------------------------------------------
+
+
+def test_deadlines_end_queued_and_running_requests_where_they_are() -> None:
+    s, r = scheduler(slots=1)
+    decoding(s, r, "running", deadline=NOW + 5)
+    r.add("queued", deadline=NOW + 3)
+
+    assert s.schedule(NOW + 2).endings == ()
+    plan = s.schedule(NOW + 5)
+
+    messages = {r.names((e.key,))[0]: e.end for e in plan.endings}
+    assert set(messages) == {"running", "queued"}
+    assert all(isinstance(end, GenerationError) for end in messages.values())
+    assert "during generation" in str(messages["running"]) and "in the queue" in str(messages["queued"])
+    assert s.queue_depth == 0 and s.running() == []
+
+
+def test_aborts_end_each_request_once_and_ignore_unknown_keys() -> None:
+    s, r = scheduler(slots=1)
+    decoding(s, r, "running")
+    queued = r.add("queued")
+    running = r.by_name["running"]
+    aborts = [
+        Abort(running.key, AbortReason.CANCELLED, requested_at_step=3),
+        Abort(running.key, AbortReason.DISCONNECTED, requested_at_step=3),
+        Abort(queued.key, AbortReason.DEADLINE, requested_at_step=3),
+        Abort(999, AbortReason.CANCELLED, requested_at_step=3),
+    ]
+
+    plan = s.schedule(NOW, aborts)
+
+    assert [(e.key, e.end) for e in plan.endings if not isinstance(e.end, GenerationError)] == [
+        (running.key, FinishReason.CANCELLED)
+    ]
+    assert len(plan.endings) == 2 and plan.endings[0].abort == aborts[0]
+    assert plan.admitted == () and plan.decode == ()
+
+
+def test_a_stopping_server_admits_nothing_new() -> None:
+    s, r = scheduler(slots=2)
+    r.add("a")
+
+    plan = s.schedule(NOW, admit=False)
+
+    assert plan.admitted == () and r.by_name["a"].status is RequestStatus.WAITING
