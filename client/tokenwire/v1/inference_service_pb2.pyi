@@ -458,6 +458,8 @@ class Usage(_message.Message):
     cached_prompt_tokens: _builtins.int
     """Of prompt_tokens, those whose KV cache was copied from the server's prefix cache (an earlier
     request's identical prompt prefix) instead of being processed. 0 when nothing was cached.
+    Only requests of the same caller, or of a caller in its group of the server's token file,
+    are reused: this never counts what another caller's request computed.
     """
     def __init__(
         self,

@@ -682,7 +682,7 @@ class Engine:
         prompt = sequence.prompt_ids
         # At least two prompt tokens are left to prefill: the last one's logits are needed, and a
         # one-token chunk would compute them differently from a prefill without the cache.
-        lease = cache.lookup(prompt, limit=len(prompt) - 2)
+        lease = cache.lookup(prompt, limit=len(prompt) - 2, tenant=sequence.request.caller.tenant)
         sequence.prefix_lease = lease
         if not lease.tokens:
             return
