@@ -116,6 +116,10 @@ class InferenceServiceServicer:
         event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
         client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
         generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+        Sooner, once a response has waited unread for `--unread-output-timeout` (5 s by default),
+        every live generation of the call is stopped, freeing its slot, with an `error` event
+        RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
+        same way until the client reads again. The call itself stays open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

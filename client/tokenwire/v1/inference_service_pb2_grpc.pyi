@@ -74,6 +74,10 @@ class InferenceServiceStub:
     event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
     client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
     generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+    Sooner, once a response has waited unread for `--unread-output-timeout` (5 s by default),
+    every live generation of the call is stopped, freeing its slot, with an `error` event
+    RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
+    same way until the client reads again. The call itself stays open.
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]
     """ListModels lists the served models and their limits."""
@@ -124,6 +128,10 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
     client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
     generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+    Sooner, once a response has waited unread for `--unread-output-timeout` (5 s by default),
+    every live generation of the call is stopped, freeing its slot, with an `error` event
+    RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
+    same way until the client reads again. The call itself stays open.
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]  # type: ignore[assignment]
     """ListModels lists the served models and their limits."""
@@ -183,6 +191,10 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
         client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
         generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+        Sooner, once a response has waited unread for `--unread-output-timeout` (5 s by default),
+        every live generation of the call is stopped, freeing its slot, with an `error` event
+        RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
+        same way until the client reads again. The call itself stays open.
         """
 
     @_abc_1.abstractmethod
