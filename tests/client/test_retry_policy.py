@@ -98,6 +98,31 @@ async def test_without_retries_the_refusal_reaches_the_caller(start_server: Serv
     assert events[0].error.code == grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
+async def test_a_retrying_client_gives_each_generation_an_idempotency_key(
+    start_server: ServerFactory,
+) -> None:
+    # What makes gRPC's retries (and the client's own, for a stream) safe to send: each attempt
+    # carries the first's key, so the server joins or returns the first attempt's generation.
+    gate = StepGate()
+    server = await start_server(wrap_model=gated(gate))
+    engine = server.registry.default.engine
+    target = f"127.0.0.1:{server.port}"
+    async with AsyncClient(target) as retrying, AsyncClient(target, retries=False) as plain:
+        keyed = asyncio.gather(
+            retrying.generate("keyed", OPTIONS), collect(retrying.stream("keyed stream", OPTIONS))
+        )
+        unkeyed = asyncio.create_task(plain.generate("plain", OPTIONS, request_id="1"))
+        await wait_until(lambda: engine.live_count == 3, what="three generations to be admitted")
+        registered = server.generations.live_count
+        gate.open()
+        await keyed
+        await unkeyed
+    with Client(target) as blocking:
+        await asyncio.to_thread(blocking.generate, "blocking", OPTIONS)
+    assert registered == 2  # the two of the retrying client; a request_id alone is no key
+    assert server.generations.kept_count == 3
+
+
 def refusal(code: grpc.StatusCode, retry_after: float | None = None) -> Failed:
     return Failed("r", TokenwireError(code, "refused", retry_after=retry_after))
 

@@ -13,7 +13,7 @@ import jsonschema
 from google.protobuf import descriptor_pool, json_format, message_factory
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
-from tests.interop.conftest import require_node_module, require_tool, run_tool
+from tests.interop.conftest import ROOT, require_node_module, require_tool, run_tool
 from tests.reliability.recovery import assert_recovered
 from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping
 from tokenwire.server.app import TokenwireServer
@@ -111,6 +111,54 @@ async def test_buf_curl_streams_two_generations_on_one_call(server: TokenwireSer
         assert events[request_id][-1] == "completed"
         assert len(tokens[request_id]) == count
     await assert_recovered(server)
+
+
+def readme_stream_request() -> dict[str, Any]:
+    """The StreamGenerate message the README's buf curl example pipes in."""
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    (line,) = [line for line in readme.splitlines() if line.startswith("echo '") and '"generate"' in line]
+    loaded: dict[str, Any] = json.loads(line.removeprefix("echo '").rsplit("'", 1)[0])
+    return loaded
+
+
+async def stream_events(port: int, *messages: dict[str, Any]) -> list[dict[str, Any]]:
+    code, out, err = await buf_curl(
+        port,
+        "-d",
+        "@-",
+        f"http://127.0.0.1:{port}/{SERVICE}/StreamGenerate",
+        stdin="\n".join(json.dumps(m) for m in messages),
+    )
+    assert code == 0, err
+    return json_values(out)
+
+
+async def test_the_readme_stream_example_runs_twice_in_a_row_with_different_content(
+    server: TokenwireServer,
+) -> None:
+    example = readme_stream_request()
+    other = json.loads(json.dumps(example))
+    other["generate"]["messages"][0]["content"] = "What is light?"
+    finished_before = server.registry.default.engine.stats.finished
+    for message in (example, other):
+        events = await stream_events(server.port, message)
+        kinds = [next(k for k in event if k != "requestId") for event in events]
+        assert {event["requestId"] for event in events} == {example["generate"]["requestId"]}
+        assert kinds[:2] == ["queued", "started"] and kinds[-1] == "completed", kinds
+    assert server.registry.default.engine.stats.finished == finished_before + 2
+
+
+async def test_buf_curl_sees_a_reused_idempotency_key_refused_naming_it(server: TokenwireServer) -> None:
+    example = readme_stream_request()
+    example["generate"]["idempotencyKey"] = "readme-key"
+    example["generate"]["stopping"] = {"maxNewTokens": 4}
+    other = json.loads(json.dumps(example))
+    other["generate"]["messages"][0]["content"] = "What is light?"
+    first = await stream_events(server.port, example)
+    assert "completed" in first[-1]
+    (refused,) = await stream_events(server.port, other)
+    assert refused["error"]["code"] == grpc.StatusCode.ALREADY_EXISTS.value[0]
+    assert "idempotency_key" in refused["error"]["message"]
 
 
 async def test_buf_curl_shows_invalid_argument_with_its_bad_request_detail(server: TokenwireServer) -> None:

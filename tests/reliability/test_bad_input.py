@@ -60,6 +60,12 @@ def generate_requests(draw: st.DrawFn) -> pb.GenerateRequest:
 
     request = pb.GenerateRequest(
         request_id=draw(st.text(min_size=120, max_size=140) if wild() else any_text),
+        # Mostly none or a few keys drawn again and again; sometimes anything at all.
+        idempotency_key=draw(
+            st.one_of(any_text, st.text(min_size=120, max_size=140))
+            if wild()
+            else st.sampled_from(["", "", "key-1", "key-2"])
+        ),
         model=draw(any_text if wild() else st.sampled_from(sorted(SERVED_MODELS))),
         logprobs=draw(st.booleans()),
     )
@@ -120,8 +126,9 @@ def allowed_codes(request: pb.GenerateRequest) -> set[grpc.StatusCode]:
         allowed.add(grpc.StatusCode.NOT_FOUND)
     if request.HasField("timeout"):
         allowed.add(grpc.StatusCode.DEADLINE_EXCEEDED)
-    if request.request_id:
-        # Ids are idempotent per caller: one drawn again with another body is ALREADY_EXISTS.
+    if request.idempotency_key:
+        # Keys are idempotent per caller: one drawn again with another body is ALREADY_EXISTS.
+        # A request_id never is: it is a label only.
         allowed.add(grpc.StatusCode.ALREADY_EXISTS)
     return allowed
 

@@ -2,8 +2,9 @@
 
 A `tokenwire serve` process (bearer tokens on, metrics on, JSON logs to a file, the tiny model,
 every limit at its default but the unsent-output bound, lowered so the CI-scale attack reaches
-it) serves an innocent streaming client in a process of its own
-(tests/reliability/innocent_client.py) throughout. The innocent is first measured alone; then each
+it, and the unread-output timeout, raised so that attack meets the byte bound) serves an
+innocent streaming client in a process of its own (tests/reliability/innocent_client.py)
+throughout. The innocent is first measured alone; then each
 test runs one attack by one caller and checks that
 
 - the innocent's longest gap between chunks stays under a generous bound derived from its own
@@ -134,6 +135,11 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             # A quarter of the default, so the CI-scale unread stream reaches it within seconds.
             "--max-unsent-bytes-per-stream",
             str(UNSENT_BYTES),
+            # The unread stream attack is about the byte bound: the unread-output timeout, which
+            # would stop its generations first on a slow run, has its own test
+            # (tests/server/api/test_stream_limits.py).
+            "--unread-output-timeout",
+            "600",
         ],
         stdout=subprocess.PIPE,
         stderr=log,

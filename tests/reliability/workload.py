@@ -121,7 +121,7 @@ def make_request(index: int, seed: int, *, cancel_fraction: float = 0.0) -> Load
             timeout=timeout,
         )
         cancel = rng.randint(0, 3) if api != "unary" and rng.random() < cancel_fraction else None
-        # The seed keeps ids unique across mixes on one server: ids are idempotent per caller.
+        # The seed keeps ids apart across mixes on one server, so logs tell their requests apart.
         specs.append(GenerationSpec(f"s{seed}-r{index}.{part}", prompt, options, cancel))
     call_deadline = 0.02 if api == "unary" and rng.random() < 0.05 else None
     return LoadRequest(index, api, tuple(specs), call_deadline)
@@ -370,8 +370,7 @@ async def rerun_through_the_other_api(client: AsyncClient, outcome: GenerationOu
 
     A generation that completed under load as a stream is asked again with unary Generate and
     vice versa; per-request deadlines are dropped, since only the tokens are compared. The rerun is
-    a new request, so it takes a new id: reusing the original's would meet the server's idempotent
-    id table, which refuses an id reused for a request that differs (here, by its deadline).
+    a new request, so it takes a new id, for the logs to tell the two apart.
     """
     spec = outcome.spec
     options = replace(spec.options, timeout=None)

@@ -74,14 +74,16 @@ class AsyncClient:
         options: GenerateOptions = _DEFAULT_OPTIONS,
         *,
         request_id: str = "",
+        idempotency_key: str = "",
         deadline: float | None = None,
     ) -> Generation:
         """Run one generation and return it whole. Raises TokenwireError."""
-        # With retries on, every Generate carries an id, so a retry the channel sends (the same
-        # message) joins the first attempt's generation on the server instead of starting another.
-        if self._retry is not None and not request_id:
-            request_id = messages.new_request_id()
-        request = messages.generate_request(prompt, options, request_id)
+        # With retries on, every Generate carries an idempotency key, so a retry the channel sends
+        # (the same message) joins the first attempt's generation on the server instead of starting
+        # another. The request_id is only a label and makes nothing idempotent.
+        if self._retry is not None and not idempotency_key:
+            idempotency_key = messages.new_idempotency_key()
+        request = messages.generate_request(prompt, options, request_id, idempotency_key)
         try:
             response = await self._stub.Generate(request, timeout=deadline, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -94,6 +96,7 @@ class AsyncClient:
         options: GenerateOptions = _DEFAULT_OPTIONS,
         *,
         request_id: str = "",
+        idempotency_key: str = "",
         deadline: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
         """Run one generation on a StreamGenerate call of its own and yield its events as they arrive.
@@ -102,6 +105,10 @@ class AsyncClient:
         retries on, a generation refused before admission is sent again (see client.retry).
         """
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        # Sent again, the generation carries the first attempt's key: should the first have been
+        # admitted after all, the second joins it instead of running twice.
+        if self._retry is not None and not idempotency_key:
+            idempotency_key = messages.new_idempotency_key()
         loop = asyncio.get_running_loop()
         give_up = None if deadline is None else loop.time() + deadline
         attempts = 0
@@ -111,7 +118,7 @@ class AsyncClient:
             first: StreamEvent | None = None
             delay: float | None = None
             async with self.open_stream(deadline=remaining) as stream:
-                await stream.submit(request_id, prompt, options)
+                await stream.submit(request_id, prompt, options, idempotency_key=idempotency_key)
                 await stream.close_requests()
                 async for event in stream.events():
                     if first is None:
@@ -162,10 +169,17 @@ class MultiplexedStream:
             self._call.cancel()
 
     async def submit(
-        self, request_id: str, prompt: Prompt, options: GenerateOptions = _DEFAULT_OPTIONS
+        self,
+        request_id: str,
+        prompt: Prompt,
+        options: GenerateOptions = _DEFAULT_OPTIONS,
+        *,
+        idempotency_key: str = "",
     ) -> None:
-        """Start a generation; its events arrive through events()."""
-        request = messages.generate_request(prompt, options, request_id)
+        """Start a generation; its events arrive through events(). `request_id` labels them (unique
+        among this stream's live generations); `idempotency_key`, when set, makes the request
+        idempotent for this caller on every stream and Generate call."""
+        request = messages.generate_request(prompt, options, request_id, idempotency_key)
         await self._write(pb.StreamGenerateRequest(generate=request))
 
     async def cancel(self, request_id: str) -> None:

@@ -37,8 +37,9 @@ _FINISH = {
 }
 
 
-def new_request_id() -> str:
-    return f"req-{uuid.uuid4().hex[:16]}"
+def new_idempotency_key() -> str:
+    """A key for one logical request, sent again only with its retries."""
+    return f"key-{uuid.uuid4().hex}"
 
 
 _PRIORITIES = {
@@ -48,9 +49,12 @@ _PRIORITIES = {
 }
 
 
-def generate_request(prompt: Prompt, options: GenerateOptions, request_id: str = "") -> pb.GenerateRequest:
+def generate_request(
+    prompt: Prompt, options: GenerateOptions, request_id: str = "", idempotency_key: str = ""
+) -> pb.GenerateRequest:
     message = pb.GenerateRequest(
         request_id=request_id,
+        idempotency_key=idempotency_key,
         model=options.model,
         logprobs=options.logprobs,
         top_logprobs=options.top_logprobs,

@@ -59,13 +59,15 @@ class Client:
         options: GenerateOptions = _DEFAULT_OPTIONS,
         *,
         request_id: str = "",
+        idempotency_key: str = "",
         deadline: float | None = None,
     ) -> Generation:
-        # With retries on, every Generate carries an id, so a retry the channel sends (the same
-        # message) joins the first attempt's generation on the server instead of starting another.
-        if self._retry is not None and not request_id:
-            request_id = messages.new_request_id()
-        request = messages.generate_request(prompt, options, request_id)
+        # With retries on, every Generate carries an idempotency key, so a retry the channel sends
+        # (the same message) joins the first attempt's generation on the server instead of starting
+        # another. The request_id is only a label and makes nothing idempotent.
+        if self._retry is not None and not idempotency_key:
+            idempotency_key = messages.new_idempotency_key()
+        request = messages.generate_request(prompt, options, request_id, idempotency_key)
         try:
             response = self._stub.Generate(request, timeout=deadline, metadata=self._metadata)
         except grpc.RpcError as error:
@@ -78,11 +80,16 @@ class Client:
         options: GenerateOptions = _DEFAULT_OPTIONS,
         *,
         request_id: str = "",
+        idempotency_key: str = "",
         deadline: float | None = None,
     ) -> Iterator[StreamEvent]:
         """Yield one generation's events, from a StreamGenerate call of its own; closing the iterator
         early cancels it on the server. A generation refused before admission is sent again."""
         request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
+        # Sent again, the generation carries the first attempt's key: should the first have been
+        # admitted after all, the second joins it instead of running twice.
+        if self._retry is not None and not idempotency_key:
+            idempotency_key = messages.new_idempotency_key()
         give_up = None if deadline is None else time.monotonic() + deadline
         attempts = 0
         while True:
@@ -92,7 +99,7 @@ class Client:
             delay: float | None = None
             stream = self.open_stream(deadline=remaining)
             try:
-                stream.submit(request_id, prompt, options)
+                stream.submit(request_id, prompt, options, idempotency_key=idempotency_key)
                 stream.close_requests()
                 for event in stream.events():
                     if first is None:
@@ -141,8 +148,16 @@ class SyncStream:
             assert isinstance(item, pb.StreamGenerateRequest)
             yield item
 
-    def submit(self, request_id: str, prompt: Prompt, options: GenerateOptions = _DEFAULT_OPTIONS) -> None:
-        request = messages.generate_request(prompt, options, request_id)
+    def submit(
+        self,
+        request_id: str,
+        prompt: Prompt,
+        options: GenerateOptions = _DEFAULT_OPTIONS,
+        *,
+        idempotency_key: str = "",
+    ) -> None:
+        """Start a generation (see MultiplexedStream.submit)."""
+        request = messages.generate_request(prompt, options, request_id, idempotency_key)
         self._outgoing.put(pb.StreamGenerateRequest(generate=request))
 
     def cancel(self, request_id: str) -> None:

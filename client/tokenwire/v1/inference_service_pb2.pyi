@@ -102,21 +102,18 @@ class GenerateRequest(_message.Message):
     TIMEOUT_FIELD_NUMBER: _builtins.int
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
+    IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen identifier: at most 128 characters, each printable ASCII other than space
     ("!" to "~"); anything else is INVALID_ARGUMENT. Required in StreamGenerate, where it must be
     unique among the stream's live requests; optional in Generate, where the server assigns one
     when it is empty. Echoed in every response.
 
-    A client-chosen id makes the request idempotent for its caller (the bearer token's caller, or
-    the one anonymous caller without authentication): while a generation with this caller and id
-    runs, the same request again (on Generate or on any stream) joins it instead of starting
-    another; a unary retry gets the same response, a streamed one the tokens so far as one chunk
-    and then the rest. After the generation ends by itself (EOS, LENGTH or STOP) its result stays
-    retrievable the same way for the server's --result-retention (300 s by default, within
-    --result-retention-mb). A cancelled or failed generation, or one every caller went away from,
-    is not kept: the same request then starts afresh. The same id with a different request is
-    ALREADY_EXISTS (reason REQUEST_ID_REUSED) naming request_id.
+    The id is a handle only: it labels a stream's events and names the generation a
+    CancelRequest stops. It never makes a request idempotent: a request with an id used before
+    (finished, on this stream or another, by this caller or another) is a new generation, never
+    refused and never answered with another request's result. (Until idempotency_key existed, a
+    client-chosen request_id made requests idempotent; that is what idempotency_key does now.)
     """
     model: _builtins.str
     """Name of the model to use, as listed by ListModels. Empty selects the server's default model."""
@@ -139,6 +136,21 @@ class GenerateRequest(_message.Message):
     its own limit) with a retry delay while other callers still get in. BATCH requests always
     leave the server's reserved slots (--batch-reserved-slots) to the other priorities.
     Unset (PRIORITY_UNSPECIFIED) means PRIORITY_DEFAULT.
+    """
+    idempotency_key: _builtins.str
+    """Makes the request idempotent for its caller (the bearer token's caller, or the one anonymous
+    caller without authentication); empty: not idempotent. At most 128 characters, each printable
+    ASCII other than space ("!" to "~"); anything else is INVALID_ARGUMENT naming idempotency_key.
+    While a generation with this caller and key runs, the same request again (on Generate or on
+    any stream, with any request_id) joins it instead of starting another: a unary retry gets the
+    same response, a streamed one the tokens so far as one chunk and then the rest. After the
+    generation ends by itself (EOS, LENGTH or STOP) its result stays retrievable the same way for
+    the server's --result-retention (300 s by default, within --result-retention-mb). A cancelled
+    or failed generation, or one every caller went away from, is not kept: the same request then
+    starts afresh. The same key with a different request (any field other than request_id and
+    idempotency_key differs) is ALREADY_EXISTS (reason IDEMPOTENCY_KEY_REUSED) naming
+    idempotency_key. Choose a fresh key per logical request (a UUID) and send it again only on
+    retries of that request.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -196,10 +208,11 @@ class GenerateRequest(_message.Message):
         timeout: _duration_pb2.Duration | None = ...,
         response_format: Global___ResponseFormat | None = ...,
         priority: Global___Priority.ValueType = ...,
+        idempotency_key: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "idempotency_key", b"idempotency_key", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt: _TypeAlias = _typing.Literal["prompt"]  # noqa: Y015
     _WhichOneofArgType__prompt: _TypeAlias = _typing.Literal["_prompt", b"_prompt"]  # noqa: Y015
@@ -458,6 +471,8 @@ class Usage(_message.Message):
     cached_prompt_tokens: _builtins.int
     """Of prompt_tokens, those whose KV cache was copied from the server's prefix cache (an earlier
     request's identical prompt prefix) instead of being processed. 0 when nothing was cached.
+    Only requests of the same caller, or of a caller in its group of the server's token file,
+    are reused: this never counts what another caller's request computed.
     """
     def __init__(
         self,

@@ -34,14 +34,16 @@ class InferenceServiceStub:
       INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
                           (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
       NOT_FOUND           the model named in GenerateRequest.model is not served.
-      ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
-                          request (google.rpc.BadRequest names request_id).
+      ALREADY_EXISTS      GenerateRequest.idempotency_key was already used by this caller for a
+                          different request (google.rpc.BadRequest names idempotency_key).
       RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
                           `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
       DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.
       UNAVAILABLE         the server is loading or draining for shutdown; safe to retry elsewhere.
       INTERNAL            the model failed while running this request; other requests are unaffected.
-    Only UNAVAILABLE and RESOURCE_EXHAUSTED are safe to retry without side effects.
+    Only UNAVAILABLE and RESOURCE_EXHAUSTED are safe to retry without side effects, unless the
+    request carries an idempotency_key: then a retry of any failure joins or returns the first
+    attempt's generation instead of starting another.
     """
 
     @_typing.overload
@@ -50,13 +52,16 @@ class InferenceServiceStub:
     def __new__(cls, channel: _aio.Channel) -> InferenceServiceAsyncStub: ...
     Generate: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.GenerateRequest, _inference_service_pb2.GenerateResponse]
     """Generate runs one generation and returns the finished completion.
-    The request_id is optional here: the server assigns one when it is empty.
+    The request_id is optional here: the server assigns one when it is empty. Set
+    GenerateRequest.idempotency_key to make retries safe.
     """
     StreamGenerate: _grpc.StreamStreamMultiCallable[_inference_service_pb2.StreamGenerateRequest, _inference_service_pb2.StreamGenerateResponse]
     """StreamGenerate multiplexes many generations on one bidirectional stream.
 
     Each GenerateRequest needs a request_id unique among the live requests of this stream; every
-    response carries the request_id it belongs to. A request's events arrive in this order:
+    response carries the request_id it belongs to. The id is only the stream's handle for that
+    request's events and its cancel: once the request has ended, the id may name a new request
+    on this stream or any other. A request's events arrive in this order:
     queued, started, zero or more chunks, then exactly one of completed or error.
     A CancelRequest stops one generation within one decode step; it then ends with `completed`
     and FINISH_REASON_CANCELLED (cancelling an id that is not live does nothing).
@@ -69,6 +74,10 @@ class InferenceServiceStub:
     event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
     client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
     generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+    Sooner, once a response has waited unread for `--unread-output-timeout` (5 s by default),
+    every live generation of the call is stopped, freeing its slot, with an `error` event
+    RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
+    same way until the client reads again. The call itself stays open.
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]
     """ListModels lists the served models and their limits."""
@@ -82,26 +91,31 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
       INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
                           (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
       NOT_FOUND           the model named in GenerateRequest.model is not served.
-      ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
-                          request (google.rpc.BadRequest names request_id).
+      ALREADY_EXISTS      GenerateRequest.idempotency_key was already used by this caller for a
+                          different request (google.rpc.BadRequest names idempotency_key).
       RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
                           `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
       DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.
       UNAVAILABLE         the server is loading or draining for shutdown; safe to retry elsewhere.
       INTERNAL            the model failed while running this request; other requests are unaffected.
-    Only UNAVAILABLE and RESOURCE_EXHAUSTED are safe to retry without side effects.
+    Only UNAVAILABLE and RESOURCE_EXHAUSTED are safe to retry without side effects, unless the
+    request carries an idempotency_key: then a retry of any failure joins or returns the first
+    attempt's generation instead of starting another.
     """
 
     def __init__(self, channel: _aio.Channel) -> None: ...
     Generate: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.GenerateRequest, _inference_service_pb2.GenerateResponse]  # type: ignore[assignment]
     """Generate runs one generation and returns the finished completion.
-    The request_id is optional here: the server assigns one when it is empty.
+    The request_id is optional here: the server assigns one when it is empty. Set
+    GenerateRequest.idempotency_key to make retries safe.
     """
     StreamGenerate: _aio.StreamStreamMultiCallable[_inference_service_pb2.StreamGenerateRequest, _inference_service_pb2.StreamGenerateResponse]  # type: ignore[assignment]
     """StreamGenerate multiplexes many generations on one bidirectional stream.
 
     Each GenerateRequest needs a request_id unique among the live requests of this stream; every
-    response carries the request_id it belongs to. A request's events arrive in this order:
+    response carries the request_id it belongs to. The id is only the stream's handle for that
+    request's events and its cancel: once the request has ended, the id may name a new request
+    on this stream or any other. A request's events arrive in this order:
     queued, started, zero or more chunks, then exactly one of completed or error.
     A CancelRequest stops one generation within one decode step; it then ends with `completed`
     and FINISH_REASON_CANCELLED (cancelling an id that is not live does nothing).
@@ -114,6 +128,10 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
     client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
     generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+    Sooner, once a response has waited unread for `--unread-output-timeout` (5 s by default),
+    every live generation of the call is stopped, freeing its slot, with an `error` event
+    RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
+    same way until the client reads again. The call itself stays open.
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]  # type: ignore[assignment]
     """ListModels lists the served models and their limits."""
@@ -126,14 +144,16 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
       INVALID_ARGUMENT    google.rpc.BadRequest, one field violation per bad field
                           (field paths are relative to GenerateRequest, e.g. "sampling.top_p").
       NOT_FOUND           the model named in GenerateRequest.model is not served.
-      ALREADY_EXISTS      GenerateRequest.request_id was already used by this caller for a different
-                          request (google.rpc.BadRequest names request_id).
+      ALREADY_EXISTS      GenerateRequest.idempotency_key was already used by this caller for a
+                          different request (google.rpc.BadRequest names idempotency_key).
       RESOURCE_EXHAUSTED  the work queue is full; google.rpc.RetryInfo says when to retry and the
                           `grpc-retry-pushback-ms` trailer carries the same delay for gRPC's retry policy.
       DEADLINE_EXCEEDED   the gRPC deadline or GenerateRequest.timeout passed; the work was stopped.
       UNAVAILABLE         the server is loading or draining for shutdown; safe to retry elsewhere.
       INTERNAL            the model failed while running this request; other requests are unaffected.
-    Only UNAVAILABLE and RESOURCE_EXHAUSTED are safe to retry without side effects.
+    Only UNAVAILABLE and RESOURCE_EXHAUSTED are safe to retry without side effects, unless the
+    request carries an idempotency_key: then a retry of any failure joins or returns the first
+    attempt's generation instead of starting another.
     """
 
     @_abc_1.abstractmethod
@@ -143,7 +163,8 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_service_pb2.GenerateResponse, _abc.Awaitable[_inference_service_pb2.GenerateResponse]]:
         """Generate runs one generation and returns the finished completion.
-        The request_id is optional here: the server assigns one when it is empty.
+        The request_id is optional here: the server assigns one when it is empty. Set
+        GenerateRequest.idempotency_key to make retries safe.
         """
 
     @_abc_1.abstractmethod
@@ -155,7 +176,9 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         """StreamGenerate multiplexes many generations on one bidirectional stream.
 
         Each GenerateRequest needs a request_id unique among the live requests of this stream; every
-        response carries the request_id it belongs to. A request's events arrive in this order:
+        response carries the request_id it belongs to. The id is only the stream's handle for that
+        request's events and its cancel: once the request has ended, the id may name a new request
+        on this stream or any other. A request's events arrive in this order:
         queued, started, zero or more chunks, then exactly one of completed or error.
         A CancelRequest stops one generation within one decode step; it then ends with `completed`
         and FINISH_REASON_CANCELLED (cancelling an id that is not live does nothing).
@@ -168,6 +191,10 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         event with RESOURCE_EXHAUSTED and reason STREAM_GENERATIONS_LIMIT or STREAM_QUEUE_LIMIT. A
         client that leaves more than `--max-unsent-bytes-per-stream` of responses unread has every
         generation of the call stopped, and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+        Sooner, once a response has waited unread for `--unread-output-timeout` (5 s by default),
+        every live generation of the call is stopped, freeing its slot, with an `error` event
+        RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
+        same way until the client reads again. The call itself stays open.
         """
 
     @_abc_1.abstractmethod

@@ -160,6 +160,7 @@ class TokenwireServer:
                 generations=settings.stream.max_generations_per_stream,
                 queued=settings.stream.queued_per_stream(settings.engine.max_queue_size),
                 unsent_bytes=settings.stream.max_unsent_bytes_per_stream,
+                unread_timeout=settings.stream.unread_output_timeout,
             ),
             generations=self.generations,
         )

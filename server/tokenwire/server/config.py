@@ -143,8 +143,8 @@ class ServerSettings:
     )
     result_retention: float = setting(
         300.0,
-        "seconds a finished generation stays retrievable by a retry with the same caller and request_id "
-        "(0: results are not kept; a retry still joins a running generation)",
+        "seconds a finished generation stays retrievable by a retry with the same caller and "
+        "idempotency_key (0: results are not kept; a retry still joins a running generation)",
         group=ENGINE,
         minimum=0,
     )

@@ -26,16 +26,14 @@ from tokenwire.server.engine.types import (
 TIMING = TimingReport(queued=0.01, total=0.5)
 
 
-def run(
-    registry: GenerationRegistry, request_id: str, finish: FinishReason, tokens: int = 3
-) -> list[EngineEvent]:
+def run(registry: GenerationRegistry, key: str, finish: FinishReason, tokens: int = 3) -> list[EngineEvent]:
     heard: list[EngineEvent] = []
-    generation, _ = registry.begin("caller", request_id, b"body", heard.append)
+    generation, _ = registry.begin("caller", key, b"body", heard.append)
     deliver = registry.deliver_to(generation)
     deliver(Started(0.01, 4))
     deliver(TokensGenerated(tuple(range(tokens)), "x" * tokens))
     deliver(
-        Completed(GenerationResult(request_id, "m", "x" * tokens, tuple(range(tokens)), finish, 4, TIMING))
+        Completed(GenerationResult(f"req-{key}", "m", "x" * tokens, tuple(range(tokens)), finish, 4, TIMING))
     )
     return heard
 
@@ -77,10 +75,10 @@ def test_a_cancelled_or_failed_generation_is_not_kept(ending: str) -> None:
     assert registry.live_count == 0 and registry.kept_count == 0
 
 
-def test_a_different_body_under_a_kept_id_is_already_exists() -> None:
+def test_a_different_body_under_a_kept_key_is_already_exists() -> None:
     registry = GenerationRegistry(retention=600.0, max_bytes=1 << 20, clock=ManualClock())
     run(registry, "a", FinishReason.STOP)
     with pytest.raises(GenerationError) as refused:
         registry.find("caller", "a", b"another body")
     assert refused.value.kind is ErrorKind.ALREADY_EXISTS
-    assert [v.field for v in refused.value.violations] == ["request_id"]
+    assert [v.field for v in refused.value.violations] == ["idempotency_key"]

@@ -134,32 +134,39 @@ async def test_half_close_finishes_every_live_generation_then_ends_ok(client: As
         assert final.generation.completion_tokens == 20 + index == len(transcript.tokens(f"r{index}"))
 
 
-async def test_a_finished_request_id_brings_back_its_result_and_refuses_another_request(
+async def test_a_finished_request_id_names_a_new_request_and_only_a_key_brings_back_a_result(
     client: AsyncClient, server: TokenwireServer
 ) -> None:
-    # Ids are idempotent per caller (test_request_ids.py): the same request again gets the kept
-    # result without a second generation; a different request under the id is ALREADY_EXISTS.
+    # A request_id is the stream's handle only: once its request ended it may name another one,
+    # which runs as a new generation. Only an idempotency key brings back a kept result, and the
+    # same key with another request is ALREADY_EXISTS (test_request_ids.py covers keys in full).
     transcript = Transcript()
+
+    def completions() -> list[Completed]:
+        return [e for e in transcript.events["same"] if isinstance(e, Completed)]
+
     async with client.open_stream() as stream:
         events = stream.events()
-        await stream.submit("same", "First", greedy(3))
-        await read_until(events, transcript, lambda t: t.finished("same"))
+        await stream.submit("same", "First", greedy(3), idempotency_key="key-1")
+        await read_until(events, transcript, lambda t: len(completions()) == 1)
         finished_before = server.registry.default.engine.stats.finished
-        await stream.submit("same", "First", greedy(3))
-        await read_until(
-            events, transcript, lambda t: sum(isinstance(e, Completed) for e in t.events["same"]) == 2
-        )
+        await stream.submit("same", "First", greedy(3), idempotency_key="key-1")
+        await read_until(events, transcript, lambda t: len(completions()) == 2)
+        kept_only = server.registry.default.engine.stats.finished
+        await stream.submit("same", "Second", greedy(4), idempotency_key="key-1")
+        await read_until(events, transcript, lambda t: isinstance(t.events["same"][-1], Failed))
         await stream.submit("same", "Second", greedy(4))
         await stream.close_requests()
         async for event in events:
             transcript.add(event)
-    completions = [e for e in transcript.events["same"] if isinstance(e, Completed)]
-    assert [c.generation.completion_tokens for c in completions] == [3, 3]
+    assert kept_only == finished_before  # the kept result came back without a generation
+    assert [c.generation.completion_tokens for c in completions()] == [3, 3, 4]
     failures = [e for e in transcript.events["same"] if isinstance(e, Failed)]
     assert len(failures) == 1
     error = failures[0].error
     assert isinstance(error, TokenwireError) and error.code is grpc.StatusCode.ALREADY_EXISTS
-    assert server.registry.default.engine.stats.finished == finished_before
+    assert [v.field for v in error.field_violations] == ["idempotency_key"]
+    assert server.registry.default.engine.stats.finished == finished_before + 1
 
 
 async def test_cancel_of_unknown_request_id_is_ignored(client: AsyncClient) -> None:

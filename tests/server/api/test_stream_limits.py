@@ -1,20 +1,26 @@
-"""What one StreamGenerate call may hold: live generations, queue places, unsent output; and the
-request bounds every call meets before any work (request_id's characters)."""
+"""What one StreamGenerate call may hold: live generations, queue places, unsent output, how long
+output may wait unread; and the request bounds every call meets before any work (request_id's
+characters)."""
 
 from __future__ import annotations
 
 import asyncio
+import io
+import json
 
 import grpc
 import pytest
+from google.rpc import error_details_pb2, status_pb2
 
 from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
+from tests.support.fake_runner import ManualClock
 from tests.support.options import greedy
+from tests.support.polling import wait_until
 from tests.support.stepping import StepGate, gated
 from tokenwire.client import AsyncClient, Failed, Started, TokenwireError
 from tokenwire.server.api.outbox import Outbox
-from tokenwire.server.api.stream_limits import StreamLimits
+from tokenwire.server.api.stream_limits import MIB, StreamLimits
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
@@ -107,12 +113,102 @@ async def test_a_request_id_outside_its_charset_or_length_is_invalid(
     assert len(refused.value.details() or "") < 300
 
 
+def unread_generation(request_id: str, tokens: int) -> pb.StreamGenerateRequest:
+    """A generation with plenty of output per token (20 alternatives each)."""
+    return pb.StreamGenerateRequest(
+        generate=pb.GenerateRequest(
+            request_id=request_id,
+            prompt="Write forever",
+            stopping=pb.StoppingCriteria(max_new_tokens=tokens, ignore_eos=True),
+            logprobs=True,
+            top_logprobs=20,
+        )
+    )
+
+
+def error_reason(status: status_pb2.Status) -> str:
+    for detail in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if detail.Unpack(info):
+            return info.reason
+    return ""
+
+
+async def test_generations_whose_output_waits_unread_past_the_timeout_are_stopped_and_free_their_slots(
+    start_server: ServerFactory, every_log_line: io.StringIO
+) -> None:
+    gate = StepGate()
+    # The byte bound is far away: only the unread-output timeout can stop these generations.
+    server = await start_server(
+        wrap_model=gated(gate),
+        max_batch_size=4,
+        stream=StreamLimits(unread_output_timeout=0.2, max_unsent_bytes_per_stream=64 * MIB),
+    )
+    engine = server.registry.default.engine
+    # Without BDP probing the client's receive window stays at HTTP/2's 64 KiB, so output it does
+    # not read stays in the server, as on a real network.
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}", options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        call = pb_grpc.InferenceServiceStub(channel).StreamGenerate()
+        names = [f"unread-{i}" for i in range(4)]
+        for name in names:
+            await call.write(unread_generation(name, 240))
+        # 150 steps of four generations, about 180 KiB of output: far more than the window. Then the
+        # gate holds the engine, so none can end by itself: only the stop can end them.
+        gate.allow(150)
+        await wait_until(lambda: engine.stats.abort_requests == 4, timeout=30, what="the four to be stopped")
+        # A generation asked for while the output still waits is refused without a slot.
+        await call.write(unread_generation("late", 4))
+
+        def refused_late() -> bool:
+            lines = [json.loads(line) for line in every_log_line.getvalue().splitlines()]
+            # Refused before its id is bounded, the line does not quote the id: the reason tells.
+            return any(line.get("reason") == "STREAM_OUTPUT_UNREAD" for line in lines)
+
+        await wait_until(refused_late, what="the late generation's refusal")
+        gate.open()
+        await wait_until(lambda: engine.live_count == 0, what="the stopped generations to leave their slots")
+        # Now read: each generation's output so far, then its error; the call is still open.
+        finals: dict[str, pb.StreamGenerateResponse] = {}
+        tokens = dict.fromkeys([*names, "late"], 0)
+        while len(finals) < 5:
+            response = await call.read()
+            assert response is not grpc.aio.EOF
+            if response.WhichOneof("event") == "chunk":
+                tokens[response.request_id] += len(response.chunk.token_ids)
+            elif response.WhichOneof("event") in ("completed", "error"):
+                finals[response.request_id] = response
+        # Read again, a generation runs to its end on the same call.
+        await call.write(unread_generation("after", 4))
+        await call.done_writing()
+        after: list[pb.StreamGenerateResponse] = []
+        while (response := await call.read()) is not grpc.aio.EOF:
+            after.append(response)
+        status = await call.code()
+    finally:
+        gate.open()
+        await channel.close()
+    for name in [*names, "late"]:
+        final = finals[name]
+        assert final.WhichOneof("event") == "error", final
+        assert final.error.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]
+        assert error_reason(final.error) == "STREAM_OUTPUT_UNREAD"
+        assert "--unread-output-timeout" in final.error.message
+    assert all(0 < tokens[name] < 240 for name in names)
+    assert tokens["late"] == 0
+    # The four ended by the stop, "after" by itself; "late" never reached the engine.
+    stats = engine.stats
+    assert (stats.aborted, stats.finished, stats.prefill_chunks) == (4, 5, 5)
+    assert after[-1].WhichOneof("event") == "completed" and after[-1].request_id == "after"
+    assert status is grpc.StatusCode.OK
+
+
 def chunk(text: str) -> pb.StreamGenerateResponse:
     return pb.StreamGenerateResponse(request_id="r", chunk=pb.TokenChunk(text=text))
 
 
 async def test_the_outbox_counts_unsent_bytes_until_they_are_sent() -> None:
-    outbox = Outbox(max_bytes=100)
+    outbox = Outbox(max_bytes=100, clock=ManualClock())
     assert outbox.put(chunk("x" * 40))
     assert outbox.put(chunk("y" * 40))
     taken = await outbox.take_all()
@@ -122,3 +218,23 @@ async def test_the_outbox_counts_unsent_bytes_until_they_are_sent() -> None:
     assert 0 < outbox.unsent_bytes <= 50
     outbox.discard()
     assert outbox.unsent_bytes == 0
+
+
+async def test_the_outbox_knows_since_when_its_oldest_response_waits_unsent() -> None:
+    clock = ManualClock()
+    outbox = Outbox(max_bytes=1000, clock=clock)
+    assert outbox.unsent_since() is None
+    outbox.put(chunk("a"))
+    clock.advance(1.0)
+    outbox.put(chunk("b"))
+    assert outbox.unsent_since() == 100.0
+    await outbox.take_all()
+    clock.advance(1.0)
+    outbox.put(chunk("c"))
+    assert outbox.unsent_since() == 100.0  # the batch being sent is older than what waits behind it
+    outbox.sent()
+    assert outbox.unsent_since() == 102.0
+    await outbox.take_all()
+    outbox.sent()
+    outbox.put(None)  # a wake-up is not a response
+    assert outbox.unsent_since() is None

@@ -185,6 +185,8 @@ def test_tokens_come_from_the_file_and_the_environment(tmp_path: Path) -> None:
         ("reader secret-token weight=heavy\n", "line 1: caller 'reader': weight must be a number"),
         ("# callers\nreader secret-token colour=red\n", "line 2: caller 'reader': unknown option 'colour'"),
         ("bad/name secret-token\n", "caller name 'bad/name' must be"),
+        ("# callers\n\nreader secret-token group=a/b\n", "line 3: caller 'reader': group 'a/b' must be"),
+        ("reader secret-token group=\n", "line 1: caller 'reader': group '' must be"),
         (None, "cannot read"),
     ],
 )

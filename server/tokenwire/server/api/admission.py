@@ -33,13 +33,10 @@ from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.v1 import inference_service_pb2 as pb
 
-MAX_REQUEST_ID_LENGTH = RequestLimits().max_request_id_length
-"""Longer ids are refused by validation; they are never looked up or fingerprinted."""
-
 
 @dataclass(frozen=True)
 class Admitted:
-    """A request in the engine's queue, or a call attached to a generation of the same id."""
+    """A request in the engine's queue, or a call attached to a generation of the same idempotency key."""
 
     request_id: str
     queue_position: int
@@ -47,7 +44,7 @@ class Admitted:
     """Ends the request (a cancel) or lets go of it (the call went away): through the engine, or
     through the generation registry when other calls may share the generation."""
     attached: bool = False
-    """True when the call joined a generation asked for earlier with the same id."""
+    """True when the call joined a generation asked for earlier with the same idempotency key."""
 
 
 INLINE_INPUT_CHARACTERS = 2048
@@ -109,20 +106,21 @@ class Admission:
             record.describe(RequestSpec(request_id=message.request_id, model=message.model))
             request_bounds.check_before_model(message, self._limits)
             spec = convert.request_spec(message)
-            chosen_id = spec.request_id
             if live_ids is None and not spec.request_id:
                 spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
             record.describe(spec)
             if live_ids is not None and spec.request_id and spec.request_id in live_ids:
                 raise _duplicate_id(spec.request_id)
-            # Only an id the client chose makes a request retryable; a made-up one pays nothing.
+            # Only an idempotency key makes a request retryable (bounded above, so at most 128
+            # characters); a request without one is never looked up and pays nothing.
+            idempotency_key = convert.idempotency_key(message)
             fingerprint = b""
-            if self._generations is not None and 0 < len(chosen_id) <= MAX_REQUEST_ID_LENGTH:
+            if self._generations is not None and idempotency_key is not None:
                 fingerprint = _fingerprint(message)
-                earlier = self._generations.find(caller.name, chosen_id, fingerprint)
+                earlier = self._generations.find(caller.name, idempotency_key, fingerprint)
                 if earlier is not None:
                     subscription = self._generations.attach(earlier, observed)
-                    return Admitted(chosen_id, 0, subscription.stop, attached=True)
+                    return Admitted(spec.request_id, 0, subscription.stop, attached=True)
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
@@ -144,18 +142,20 @@ class Admission:
             except GenerationError as error:
                 raise convert.request_error(error) from None
             request = replace(request, caller=caller)
-            if not fingerprint or self._generations is None:
+            if idempotency_key is None or self._generations is None:
                 ticket = served.engine.submit(request, observed)
                 engine, key = served.engine, ticket.key
                 return Admitted(
                     spec.request_id, ticket.queue_position, lambda reason: engine.abort(key, reason)
                 )
             # The same request may have arrived while this one was validated on a worker.
-            earlier = self._generations.find(caller.name, chosen_id, fingerprint)
+            earlier = self._generations.find(caller.name, idempotency_key, fingerprint)
             if earlier is not None:
                 subscription = self._generations.attach(earlier, observed)
-                return Admitted(chosen_id, 0, subscription.stop, attached=True)
-            generation, subscription = self._generations.begin(caller.name, chosen_id, fingerprint, observed)
+                return Admitted(spec.request_id, 0, subscription.stop, attached=True)
+            generation, subscription = self._generations.begin(
+                caller.name, idempotency_key, fingerprint, observed
+            )
             try:
                 ticket = served.engine.submit(request, self._generations.deliver_to(generation))
             except GenerationError:
@@ -169,10 +169,12 @@ class Admission:
 
 
 def _fingerprint(message: pb.GenerateRequest) -> bytes:
-    """The request's body, id aside: two requests with equal fingerprints ask for the same thing."""
+    """The request's body, its handle and key aside: two requests with equal fingerprints ask for
+    the same thing (a retry may come on another stream, under another request_id)."""
     body = pb.GenerateRequest()
     body.CopyFrom(message)
     body.request_id = ""
+    body.idempotency_key = ""
     return hashlib.sha256(body.SerializeToString(deterministic=True)).digest()
 
 

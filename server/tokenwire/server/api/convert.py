@@ -66,6 +66,11 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
     )
 
 
+def idempotency_key(message: pb.GenerateRequest) -> str | None:
+    """The key that makes the request idempotent for its caller; None when it carries none."""
+    return message.idempotency_key or None
+
+
 def response_format(message: pb.ResponseFormat) -> ResponseFormat | None:
     """The format asked for; None when the message sets none of its fields."""
     kind = message.WhichOneof("format")

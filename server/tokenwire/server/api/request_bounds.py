@@ -8,8 +8,8 @@ look inside only once the size is within its bound, and stop at the first few vi
 quoting at most a short excerpt of the offending value. They run before the request is
 converted, validated, tokenized or recorded anywhere.
 
-request_id: at most 128 characters, each a printable ASCII character other than space
-(`!` to `~`), so an id can be logged, put in a header or a file name as is.
+request_id and idempotency_key: at most 128 characters, each a printable ASCII character other
+than space (`!` to `~`), so either can be logged, put in a header or a file name as is.
 """
 
 from __future__ import annotations
@@ -22,23 +22,14 @@ from tokenwire.v1 import inference_service_pb2 as pb
 MAX_MODEL_NAME_CHARACTERS = 256
 MAX_ROLE_CHARACTERS = max(len(role) for role in ALLOWED_ROLES)
 REQUEST_ID_CHARACTERS = "printable ASCII other than space (! to ~)"
+MAX_IDEMPOTENCY_KEY_LENGTH = 128
 
 
 def check_before_model(message: pb.GenerateRequest, limits: RequestLimits) -> None:
     """What can be bounded before the model is known: ids, names, counts. Raises GenerationError."""
     found: list[FieldViolation] = []
-    request_id = message.request_id
-    if len(request_id) > limits.max_request_id_length:
-        found.append(
-            FieldViolation(
-                "request_id",
-                f"{len(request_id)} characters, more than {limits.max_request_id_length}",
-            )
-        )
-    elif not _request_id_characters(request_id):
-        found.append(
-            FieldViolation("request_id", f"{excerpt(ascii(request_id))}: use only {REQUEST_ID_CHARACTERS}")
-        )
+    found += _check_id("request_id", message.request_id, limits.max_request_id_length)
+    found += _check_id("idempotency_key", message.idempotency_key, MAX_IDEMPOTENCY_KEY_LENGTH)
     if len(message.model) > MAX_MODEL_NAME_CHARACTERS:
         found.append(FieldViolation("model", f"{len(message.model)} characters: no model has such a name"))
     messages = message.messages
@@ -98,5 +89,15 @@ def _too_long(length: int, max_chars: int, limits: RequestLimits, *, in_all: boo
     return f"{length} characters{where}, more than {max_chars} ({origin})"
 
 
-def _request_id_characters(request_id: str) -> bool:
-    return request_id.isascii() and all("!" <= c <= "~" for c in request_id)
+def _check_id(field: str, value: str, max_length: int) -> list[FieldViolation]:
+    """An identifier's bounds: its length first, its characters only once the length is known
+    to be small."""
+    if len(value) > max_length:
+        return [FieldViolation(field, f"{len(value)} characters, more than {max_length}")]
+    if not _id_characters(value):
+        return [FieldViolation(field, f"{excerpt(ascii(value))}: use only {REQUEST_ID_CHARACTERS}")]
+    return []
+
+
+def _id_characters(value: str) -> bool:
+    return value.isascii() and all("!" <= c <= "~" for c in value)

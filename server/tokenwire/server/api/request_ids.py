@@ -1,12 +1,16 @@
-"""Idempotent request ids: one generation per caller and request_id, however often it is asked for.
+"""Idempotency keys: one generation per caller and idempotency_key, however often it is asked for.
 
-A request that carries its own request_id is registered under (caller, request_id) with a
-fingerprint of its body. While it runs, a retry with the same caller, id and body attaches to it
-instead of starting a second generation: it hears what happened so far (started, then the tokens
-so far as one chunk) and then every event as it comes. After a generation ends by itself (EOS,
-length or a stop string) its result stays retrievable for `retention` seconds, within `max_bytes`
-of results in all (oldest dropped first). A retry with the same id and another body is
-ALREADY_EXISTS. Ids are scoped per caller, so no caller can reach another's generations.
+A request that carries an idempotency_key is registered under (caller, key) with a fingerprint
+of its body. While it runs, a retry with the same caller, key and body attaches to it instead of
+starting a second generation: it hears what happened so far (started, then the tokens so far as
+one chunk) and then every event as it comes. After a generation ends by itself (EOS, length or a
+stop string) its result stays retrievable for `retention` seconds, within `max_bytes` of results
+in all (oldest dropped first). A retry with the same key and another body is ALREADY_EXISTS.
+Keys are scoped per caller, so no caller can reach another's generations.
+
+Only the key makes a request idempotent: a request_id is a handle (a stream's label for events
+and cancels) and is never looked up here, so two clients numbering their requests 1, 2, 3 never
+meet each other's generations.
 
 A generation that is cancelled, fails, or loses its last listener (every call that asked for it
 went away) is forgotten: nothing of it is kept, and a later retry starts afresh. Everything here
@@ -41,10 +45,11 @@ _NATURAL_ENDS = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
 @dataclass
 class _Generation:
     caller: str
-    request_id: str
+    idempotency_key: str
     fingerprint: bytes
     engine: Engine | None = None
-    key: int = 0
+    engine_key: int = 0
+    """The engine's handle of the request, for aborting it."""
     listeners: dict[int, EventSink] = field(default_factory=dict)
     started: Started | None = None
     token_ids: list[int] = field(default_factory=list)
@@ -99,37 +104,37 @@ class GenerationRegistry:
     def kept_count(self) -> int:
         return len(self._kept)
 
-    def listeners(self, caller: str, request_id: str) -> int:
-        """Calls listening to the caller's live generation with this id (0 when none runs)."""
-        found = self._live.get((caller, request_id))
+    def listeners(self, caller: str, idempotency_key: str) -> int:
+        """Calls listening to the caller's live generation with this key (0 when none runs)."""
+        found = self._live.get((caller, idempotency_key))
         return 0 if found is None else len(found.listeners)
 
-    def find(self, caller: str, request_id: str, fingerprint: bytes) -> _Generation | None:
-        """The caller's generation with this id, live or kept; None when there is none.
+    def find(self, caller: str, idempotency_key: str, fingerprint: bytes) -> _Generation | None:
+        """The caller's generation with this key, live or kept; None when there is none.
         Raises ALREADY_EXISTS when it was asked for with another body."""
         self._expire()
-        key = (caller, request_id)
+        key = (caller, idempotency_key)
         found = self._live.get(key) or self._kept.get(key)
         if found is not None and found.fingerprint != fingerprint:
             raise GenerationError(
                 ErrorKind.ALREADY_EXISTS,
-                f"request_id {request_id!r} was already used for a different request",
+                f"idempotency_key {idempotency_key!r} was already used for a different request",
                 violations=(
                     FieldViolation(
-                        "request_id",
-                        "already used for a different request; choose a new id for a new request",
+                        "idempotency_key",
+                        "already used for a different request; choose a new key for a new request",
                     ),
                 ),
-                reason="REQUEST_ID_REUSED",
+                reason="IDEMPOTENCY_KEY_REUSED",
             )
         return found
 
     def begin(
-        self, caller: str, request_id: str, fingerprint: bytes, listener: EventSink
+        self, caller: str, idempotency_key: str, fingerprint: bytes, listener: EventSink
     ) -> tuple[_Generation, Subscription]:
         """Register a new generation, heard by `listener`; bind it to its engine with `bind`."""
-        generation = _Generation(caller, request_id, fingerprint)
-        self._live[(caller, request_id)] = generation
+        generation = _Generation(caller, idempotency_key, fingerprint)
+        self._live[(caller, idempotency_key)] = generation
         number = next(self._listeners)
         generation.listeners[number] = listener
         return generation, Subscription(self, generation, number)
@@ -140,11 +145,11 @@ class GenerationRegistry:
 
     def bind(self, generation: _Generation, engine: Engine, key: int) -> None:
         """The engine's handle, for stopping the generation once it is queued."""
-        generation.engine, generation.key = engine, key
+        generation.engine, generation.engine_key = engine, key
 
     def discard(self, generation: _Generation) -> None:
         """The generation never reached the engine (it was refused)."""
-        self._live.pop((generation.caller, generation.request_id), None)
+        self._live.pop((generation.caller, generation.idempotency_key), None)
 
     def attach(self, generation: _Generation, listener: EventSink) -> Subscription:
         """Let `listener` hear `generation`: what happened so far, then the rest as it comes. The
@@ -155,7 +160,7 @@ class GenerationRegistry:
         def join() -> None:
             for event in generation.so_far():
                 listener(event)
-            if generation.completed is None and (generation.caller, generation.request_id) in self._live:
+            if generation.completed is None and (generation.caller, generation.idempotency_key) in self._live:
                 generation.listeners[number] = listener
 
         asyncio.get_running_loop().call_soon(join)
@@ -170,7 +175,7 @@ class GenerationRegistry:
         if generation.engine is None or generation.completed is not None:
             return
         if reason is AbortReason.CANCELLED or not generation.listeners:
-            generation.engine.abort(generation.key, reason)
+            generation.engine.abort(generation.engine_key, reason)
 
     def _deliver(self, generation: _Generation, event: EngineEvent) -> None:
         if isinstance(event, Started):
@@ -182,7 +187,7 @@ class GenerationRegistry:
         for listener in list(generation.listeners.values()):
             listener(event)
         if isinstance(event, Completed | Failed):
-            self._live.pop((generation.caller, generation.request_id), None)
+            self._live.pop((generation.caller, generation.idempotency_key), None)
             generation.listeners.clear()
             if isinstance(event, Completed) and event.result.finish_reason in _NATURAL_ENDS:
                 self._keep(generation, event)
@@ -199,7 +204,7 @@ class GenerationRegistry:
         if generation.size > self._max_bytes:
             return
         generation.finished_at = self._clock()
-        key = (generation.caller, generation.request_id)
+        key = (generation.caller, generation.idempotency_key)
         self._kept[key] = generation
         self._kept_bytes += generation.size
         while self._kept_bytes > self._max_bytes:

@@ -9,7 +9,17 @@ engine stops them within one decode step.
 One call holds a bounded share of the server (stream_limits.py): so many live generations, so
 many queue places, so many bytes of responses its client has not read yet. Past the last bound
 the call's generations are stopped and the call ends with RESOURCE_EXHAUSTED, so a client that
-stops reading holds neither compute nor memory.
+stops reading holds neither compute nor memory. Sooner than that, once a response has waited
+unread for the unread-output timeout, the call's live generations are stopped, each with an
+error event, and new ones are refused until the client reads again: a client that reads nothing
+does not keep slots while its output slowly adds up.
+
+A request_id is the stream's handle only: it routes a generation's events and names what a
+cancel stops, and is unique among the call's live generations. Events of a generation the call
+has already ended (stopped while an event of it was on its way) are dropped, so each request's
+events still end with exactly one completed or error.
+
+Everything here runs on the event loop.
 """
 
 from __future__ import annotations
@@ -40,6 +50,8 @@ class StreamCaps:
     generations: int = 32
     queued: int = 32
     unsent_bytes: int = 1024 * 1024
+    unread_timeout: float = 5.0
+    """Seconds a response may wait unread before the call's generations are stopped; 0: no bound."""
 
 
 class StreamSession:
@@ -58,13 +70,14 @@ class StreamSession:
         self._telemetry = telemetry
         self._metadata = metadata
         self._caps = caps or StreamCaps()
-        self._outbox = Outbox(self._caps.unsent_bytes)
+        self._outbox = Outbox(self._caps.unsent_bytes, clock)
         self._live: dict[str, Admitted] = {}
         self._started: set[str] = set()
         self._half_closed = False
         self._reader_error: BaseException | None = None
         self._backlog_error: GenerationError | None = None
         self._reader: asyncio.Task[None] | None = None
+        self._unread_check: asyncio.TimerHandle | None = None
 
     async def run(
         self, requests: AsyncIterator[pb.StreamGenerateRequest]
@@ -88,6 +101,7 @@ class StreamSession:
                 self._outbox.sent()
         finally:
             self._reader.cancel()
+            self._stop_watching_unread()
             self._abort_all()
 
     async def _read(self, requests: AsyncIterator[pb.StreamGenerateRequest]) -> None:
@@ -146,6 +160,8 @@ class StreamSession:
 
     def _over_limit(self) -> GenerationError | None:
         caps = self._caps
+        if self._unread_too_long():
+            return self._unread_error()
         if len(self._live) >= caps.generations:
             return GenerationError(
                 ErrorKind.RESOURCE_EXHAUSTED,
@@ -172,6 +188,8 @@ class StreamSession:
     def _deliver(self, request_id: str, event: EngineEvent) -> None:
         if self._backlog_error is not None:
             return  # the call is ending: nothing more is sent
+        if request_id not in self._live:
+            return  # the call stopped this generation and told its client so
         if isinstance(event, Started):
             self._started.add(request_id)
         if isinstance(event, Failed):
@@ -191,6 +209,58 @@ class StreamSession:
             return
         if not self._outbox.put(message):
             self._stop_backlogged()
+            return
+        self._watch_unread()
+
+    def _unread_too_long(self) -> bool:
+        timeout = self._caps.unread_timeout
+        since = self._outbox.unsent_since()
+        return timeout > 0 and since is not None and self._clock() - since >= timeout
+
+    def _unread_error(self) -> GenerationError:
+        return GenerationError(
+            ErrorKind.RESOURCE_EXHAUSTED,
+            f"this call's responses have waited unread for more than {self._caps.unread_timeout:g} s "
+            "(--unread-output-timeout); its generations were stopped to free their slots and new ones "
+            "are refused until the client reads again: read responses as they come",
+            reason="STREAM_OUTPUT_UNREAD",
+        )
+
+    def _watch_unread(self) -> None:
+        """Look again once the oldest unsent response will have waited the unread-output timeout."""
+        timeout = self._caps.unread_timeout
+        if timeout <= 0 or self._unread_check is not None:
+            return
+        since = self._outbox.unsent_since()
+        if since is None:
+            return
+        delay = max(0.0, since + timeout - self._clock())
+        self._unread_check = asyncio.get_running_loop().call_later(delay, self._check_unread)
+
+    def _stop_watching_unread(self) -> None:
+        if self._unread_check is not None:
+            self._unread_check.cancel()
+            self._unread_check = None
+
+    def _check_unread(self) -> None:
+        self._unread_check = None
+        if self._backlog_error is not None:
+            return
+        if not self._unread_too_long():
+            self._watch_unread()  # what waited was sent; look again for what waits now
+            return
+        if not self._live:
+            return  # nothing holds a slot; a new response looks again
+        stopped = list(self._live)
+        log.warning(
+            "stream stopped %d generations: its client left responses unread for more than %g s",
+            len(stopped),
+            self._caps.unread_timeout,
+        )
+        self._abort_all()
+        error = self._unread_error()
+        for request_id in stopped:
+            self._send(_error_event(request_id, error))
 
     def _stop_backlogged(self) -> None:
         """The client has not read so much output that the call stops: its generations end now
@@ -204,6 +274,7 @@ class StreamSession:
             reason="STREAM_BACKLOG",
         )
         log.warning("stream stopped: its client left more than %d bytes of responses unread", limit)
+        self._stop_watching_unread()
         self._abort_all()
         self._outbox.discard()
         if self._reader is not None:

@@ -173,7 +173,7 @@ class EngineCore:
             own_work_began = self._clock()
             start = request.computed_tokens + positions.get(key, 0)
             if not self._kv.looked_up(key):
-                loaded = self._kv.load_prefix(key, prompt)
+                loaded = self._kv.load_prefix(key, prompt, tenant=request.caller.tenant)
                 if loaded:
                     output.cached_prompt_tokens = loaded
                     positions[key] = positions.get(key, 0) + loaded

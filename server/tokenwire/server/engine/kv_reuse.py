@@ -87,13 +87,14 @@ class KvReuse:
     def looked_up(self, key: int) -> bool:
         return key in self._caching
 
-    def load_prefix(self, key: int, prompt: Sequence[int]) -> int:
-        """Start a request from the longest cached prefix of its prompt; the tokens loaded (0: none)."""
+    def load_prefix(self, key: int, prompt: Sequence[int], *, tenant: str) -> int:
+        """Start a request from the longest prefix of its prompt that `tenant`'s requests cached;
+        the tokens loaded (0: none). A tenant never finds another tenant's blocks."""
         if self._cache is None or self._rows is None:
             return 0
         # At least MIN_CHUNK prompt tokens are left to prefill: the last one's logits are needed,
         # and a shorter chunk would compute them differently from a prefill without the cache.
-        lease = self._cache.lookup(prompt, limit=len(prompt) - MIN_CHUNK)
+        lease = self._cache.lookup(prompt, limit=len(prompt) - MIN_CHUNK, tenant=tenant)
         self._caching[key] = _PromptCaching(lease)
         if not lease.tokens:
             return 0
@@ -102,7 +103,7 @@ class KvReuse:
         except Exception:
             log.exception("copying a cached prefix failed for request key %d", key)
             self._cache.release(lease)  # it prefills from the start instead
-            self._caching[key] = _PromptCaching(PrefixLease(block_tokens=lease.block_tokens), full=True)
+            self._caching[key] = _PromptCaching(lease, full=True)
             return 0
 
     def cache_prompt(self, key: int, prompt: Sequence[int], prefilled: int) -> None:

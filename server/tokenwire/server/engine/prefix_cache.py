@@ -7,6 +7,12 @@ blocks found from the start. The key holds the tokens themselves (not a hash of 
 different prefixes can never share an entry. The chains form a tree of prefixes, like SGLang's
 radix tree, at block granularity.
 
+Each tenant has its own tree: the first block of a chain is keyed by the tenant instead of a
+parent, so a lookup only ever walks chains its own tenant's requests cached. Otherwise a caller
+could learn another's prompt, block by block, from how many of its prompt tokens came back
+cached (or from how fast its first token came). The byte bound is shared: one tenant's blocks
+may evict another's, but never serve it.
+
 A prompt's last, partial block is cached too, as a tail that nothing extends: a chat's next turn
 resends the whole previous prompt, so it finds that prompt to the last token, not just to its
 last full block.
@@ -32,8 +38,8 @@ import numpy as np
 
 @dataclass(eq=False)
 class _Block:
-    key: tuple[int, tuple[int, ...]]
-    """(the parent block's id, 0 at the start of a prompt; this block's tokens)."""
+    key: tuple[int | str, tuple[int, ...]]
+    """(the parent block's id, or the tenant at the start of a prompt; this block's tokens)."""
     id: int
     parent: _Block | None
     kv: np.ndarray
@@ -49,6 +55,8 @@ class _Block:
 class PrefixLease:
     """The cached blocks at the start of one request's prompt; they stay cached while it runs."""
 
+    tenant: str
+    """Whose tree the blocks are in, and the blocks the request caches go into."""
     blocks: list[_Block] = field(default_factory=list)
     """Full blocks, from the start of the prompt."""
     block_tokens: int = 0
@@ -92,7 +100,7 @@ class PrefixCache:
             raise ValueError("block_tokens must be at least 1")
         self._capacity = capacity_bytes
         self._block_tokens = block_tokens
-        self._by_key: dict[tuple[int, tuple[int, ...]], _Block] = {}
+        self._by_key: dict[tuple[int | str, tuple[int, ...]], _Block] = {}
         # Least recently used first. A chain is touched leaf first, so a parent is always more
         # recent than its children and the front holds leaves: evicting from the front never
         # strands a cached child behind a dropped parent.
@@ -119,21 +127,24 @@ class PrefixCache:
             evicted_blocks=self._evicted,
         )
 
-    def lookup(self, prompt: Sequence[int], *, limit: int) -> PrefixLease:
-        """Lease the longest cached prefix of `prompt` that is at most `limit` tokens long."""
-        lease = PrefixLease(block_tokens=self._block_tokens)
+    def lookup(self, prompt: Sequence[int], *, limit: int, tenant: str) -> PrefixLease:
+        """Lease the longest prefix of `prompt`, at most `limit` tokens long, that requests of
+        `tenant` cached; what the lease's request caches later is `tenant`'s too."""
+        lease = PrefixLease(tenant=tenant, block_tokens=self._block_tokens)
         size = self._block_tokens
         usable = min(limit, len(prompt))
         parent: _Block | None = None
         for start in range(0, usable - size + 1, size):
-            block = self._by_key.get((_id(parent), tuple(prompt[start : start + size])))
+            block = self._by_key.get((_parent_key(parent, tenant), tuple(prompt[start : start + size])))
             if block is None:
                 break
             lease.blocks.append(block)
             parent = block
         start = len(lease.blocks) * size
         for length in range(min(size - 1, usable - start), 0, -1):
-            lease.tail = self._by_key.get((_id(parent), tuple(prompt[start : start + length])))
+            lease.tail = self._by_key.get(
+                (_parent_key(parent, tenant), tuple(prompt[start : start + length]))
+            )
             if lease.tail is not None:
                 break
         held = lease._held()
@@ -164,11 +175,12 @@ class PrefixCache:
             if len(tokens) < size:
                 break
             parent = lease.blocks[-1] if lease.blocks else None
-            block = self._by_key.get((_id(parent), tokens))
+            key = (_parent_key(parent, lease.tenant), tokens)
+            block = self._by_key.get(key)
             if block is None:
                 if not self._make_room(kv.nbytes):
                     break
-                block = _Block(key=(_id(parent), tokens), id=next(self._ids), parent=parent, kv=kv)
+                block = _Block(key=key, id=next(self._ids), parent=parent, kv=kv)
                 self._by_key[block.key] = block
                 self._bytes += kv.nbytes
                 if parent is not None:
@@ -187,7 +199,7 @@ class PrefixCache:
         if not 0 < len(tokens) < self._block_tokens:
             raise ValueError(f"a tail holds 1 to {self._block_tokens - 1} tokens, not {len(tokens)}")
         parent = lease.blocks[-1] if lease.blocks else None
-        key = (_id(parent), tokens)
+        key = (_parent_key(parent, lease.tenant), tokens)
         if key in self._by_key or not self._make_room(kv.nbytes):
             return False
         block = _Block(key=key, id=next(self._ids), parent=parent, kv=kv)
@@ -231,5 +243,7 @@ class PrefixCache:
             block.parent.children -= 1
 
 
-def _id(block: _Block | None) -> int:
-    return 0 if block is None else block.id
+def _parent_key(parent: _Block | None, tenant: str) -> int | str:
+    """A block's parent in its key: the parent's id, or at the root of a chain the tenant (block
+    ids are numbers, so no tenant's root can be mistaken for a block)."""
+    return tenant if parent is None else parent.id

@@ -91,6 +91,17 @@ class Caller:
     """Share of the slots relative to other callers of the same priority."""
     max_queued: int | None = None
     """Most requests this caller may have waiting; None: only its fair share limits it."""
+    group: str | None = None
+    """Callers of one group reuse each other's cached prompt prefixes; None: a group of its own."""
+
+    @property
+    def tenant(self) -> str:
+        """Whose cached prompt prefixes this caller's requests may reuse (and add to).
+
+        Names and groups are told apart by their prefix, so a caller named like a group never
+        lands in that group's cache.
+        """
+        return f"caller:{self.name}" if self.group is None else f"group:{self.group}"
 
 
 ANONYMOUS = Caller("anonymous")

@@ -1,15 +1,19 @@
-"""Who is calling: each bearer token stands for a named caller, with its queueing weight and limit.
+"""Who is calling: each bearer token stands for a named caller, with its queueing weight and limit
+and the group it shares cached prompt prefixes with.
 
 The token file keeps its plain form, one token a line, and a line may also name the caller:
 
-    # NAME TOKEN [weight=W] [max_queued=N]
-    search-frontend  s3cr3t-token-a  weight=4
+    # NAME TOKEN [weight=W] [max_queued=N] [group=GROUP]
+    search-frontend  s3cr3t-token-a  weight=4 group=search
+    search-backfill  s3cr3t-token-c  group=search
     nightly-reports  s3cr3t-token-b  weight=1 max_queued=8
     plain-token-without-a-name
 
 A token without a name is known as "token-" and the first 8 hex digits of its SHA-256 digest,
-so logs, spans and metrics can tell callers apart without ever showing a token. Without
-authentication every request comes from one caller, "anonymous".
+so logs, spans and metrics can tell callers apart without ever showing a token. A caller
+without a group reuses only the prefixes its own requests cached (engine/prefix_cache.py);
+callers of one group reuse each other's. Without authentication every request comes from one
+caller, "anonymous", and so from one tenant.
 """
 
 from __future__ import annotations
@@ -47,10 +51,18 @@ def parse_token_line(line: str) -> tuple[str, Caller]:
         )
     weight = 1.0
     max_queued: int | None = None
+    group: str | None = None
     for option in options:
         key, _, value = option.partition("=")
         try:
-            if key == "weight":
+            if key == "group":
+                if not _NAME.fullmatch(value):
+                    raise TokenLineError(
+                        f"caller {name!r}: group {value!r} must be 1 to 64 letters, digits, '.', '_' or '-', "
+                        "starting with a letter or digit"
+                    )
+                group = value
+            elif key == "weight":
                 weight = float(value)
                 if not 0 < weight <= MAX_WEIGHT:
                     raise ValueError
@@ -59,7 +71,9 @@ def parse_token_line(line: str) -> tuple[str, Caller]:
                 if max_queued < 0:
                     raise ValueError
             else:
-                raise TokenLineError(f"caller {name!r}: unknown option {key!r} (weight=, max_queued=)")
+                raise TokenLineError(
+                    f"caller {name!r}: unknown option {key!r} (weight=, max_queued=, group=)"
+                )
         except ValueError as error:
             if isinstance(error, TokenLineError):
                 raise
@@ -68,7 +82,7 @@ def parse_token_line(line: str) -> tuple[str, Caller]:
                 if key == "weight"
                 else f"caller {name!r}: max_queued must be a whole number >= 0"
             ) from None
-    return token, Caller(name, weight=weight, max_queued=max_queued)
+    return token, Caller(name, weight=weight, max_queued=max_queued, group=group)
 
 
 class CallerDirectory:
