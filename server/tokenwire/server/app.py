@@ -37,6 +37,7 @@ from tokenwire.server.sampling.constraint import FormatCompiler
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import BearerTokenInterceptor
 from tokenwire.server.security.callers import CallerDirectory
+from tokenwire.server.security.gateway_headers import GatewayHeaders
 from tokenwire.server.telemetry.exporters import Telemetry
 from tokenwire.server.telemetry.tracing import Metadata
 
@@ -148,6 +149,7 @@ class TokenwireServer:
                 unsent_bytes=settings.stream.max_unsent_bytes_per_stream,
             ),
             generations=self.generations,
+            gateway=GatewayHeaders(settings.gateway, (caller for _, caller in settings.auth.token_callers())),
         )
         add_inference_service(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
