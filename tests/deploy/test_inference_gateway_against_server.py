@@ -194,6 +194,13 @@ async def test_the_pickers_waiting_running_and_kv_figures_follow_a_real_server_u
             )
             assert (full.waiting, full.running) == (3, 2)
             assert 0 < full.kv_cache <= 1
+            # A pod serving several models is read per model, as docs/deploy.md says.
+            by_model = {figure: spec + '{gen_ai_request_model="tiny"}' for figure, spec in specs.items()}
+            assert await picker_view(port, by_model) == full
+            with pytest.raises(AssertionError, match="no series"):
+                await picker_view(
+                    port, {figure: spec + "{gen_ai_request_model=other}" for figure, spec in specs.items()}
+                )
 
             gate.allow(4)  # four decode steps of the two running sequences: more KV positions held
             decoding = await picker_view_once(
