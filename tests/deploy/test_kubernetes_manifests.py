@@ -2,28 +2,48 @@
 
 No cluster runs here: each overlay is rendered with `kubectl kustomize`, every built-in object
 is validated (strictly: unknown fields fail) against the schemas of KUBERNETES_VERSION by the
-kubernetes-validate package, and the cross-references a cluster would only report at run time
-(selectors, port names, volumes, secrets) are checked here. What the manifests rely on in the
-server itself is tested against a real server in test_manifests_against_server.py.
+kubernetes-validate package, every custom resource with a vendored CRD (tests/deploy/schemas:
+InferencePool, InferenceObjective, HTTPRoute) against that CRD's OpenAPI schema, and the
+cross-references a cluster would only report at run time (selectors, port names, volumes,
+secrets) are checked here. What the manifests rely on in the server itself is tested against a
+real server in test_manifests_against_server.py; the inference-gateway overlay's own
+cross-references and server behaviour in test_inference_gateway_*.py.
 """
 
 from __future__ import annotations
 
+import copy
 import re
+from typing import Any
 
+import jsonschema
 import kubernetes_validate
 import numpy as np
 import pytest
 
-from tests.support.manifests import KUBERNETES, OVERLAYS, Object, Rendered, load_adapter_rules, render
+from tests.support.crd_schemas import crd_schemas, validate_custom_resource
+from tests.support.manifests import (
+    GATEWAY_OVERLAY,
+    KUBERNETES,
+    OVERLAYS,
+    Object,
+    Rendered,
+    load_adapter_rules,
+    render,
+)
 from tokenwire.server.models.shared_kv_runner import SharedKvLayout
 
 KUBERNETES_VERSION = "1.33.0"
 """The Kubernetes release whose schemas the objects must satisfy (gRPC probes and the preStop
 sleep action are in it)."""
-CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
-"""Kinds of operators, not of Kubernetes: no schema ships for them, so the cross-reference
-tests below check them instead."""
+UNVALIDATED_CUSTOM_RESOURCES = {("monitoring.coreos.com/v1", "PodMonitor")}
+"""Kinds of operators with no vendored schema: the cross-reference tests below check them."""
+GATEWAY_CUSTOM_RESOURCES = {
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("llm-d.ai/v1alpha2", "InferenceObjective"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
+}
+"""The inference gateway's kinds, each validated against its vendored CRD (tests/deploy/schemas)."""
 
 
 @pytest.fixture(scope="module", params=OVERLAYS)
@@ -42,9 +62,59 @@ def test_every_object_validates_against_the_kubernetes_schemas(rendered: Rendere
         "NetworkPolicy",
     }
     for document in rendered.objects:
-        if (document["apiVersion"], document["kind"]) in CUSTOM_RESOURCES:
-            continue
+        validate(document)
+
+
+def validate(document: Object) -> None:
+    """Against Kubernetes' schemas, or a custom resource against its vendored CRD's."""
+    kind = (document["apiVersion"], document["kind"])
+    if kind in UNVALIDATED_CUSTOM_RESOURCES:
+        return
+    if kind in GATEWAY_CUSTOM_RESOURCES:
+        validate_custom_resource(document)
+    else:
         kubernetes_validate.validate(document, KUBERNETES_VERSION, strict=True)
+
+
+def test_every_object_of_the_inference_gateway_overlay_validates_against_kubernetes_and_the_crds() -> None:
+    gateway = Rendered(GATEWAY_OVERLAY, render(GATEWAY_OVERLAY))
+    kinds = {(o["apiVersion"], o["kind"]) for o in gateway.objects}
+    assert kinds >= GATEWAY_CUSTOM_RESOURCES
+    assert set(crd_schemas()) >= GATEWAY_CUSTOM_RESOURCES
+    validated = 0
+    for document in gateway.objects:
+        validate(document)
+        validated += 1
+    # The cpu overlay's 8 objects, plus the pool, 3 objectives, the route and the picker's 7.
+    assert validated == len(render("cpu")) + 12
+
+
+@pytest.mark.parametrize(
+    ("kind", "path", "value"),
+    [
+        ("InferencePool", ("spec", "targetPortz"), [{"number": 50051}]),  # a misspelt field
+        ("InferencePool", ("spec", "appProtocol"), "grpc"),  # not one of the enum's values
+        ("InferencePool", ("spec", "targetPorts"), [{"number": 70000}]),  # not a port
+        ("InferencePool", ("spec", "endpointPickerRef", "failureMode"), "FailSoft"),
+        ("InferenceObjective", ("spec", "priority"), "high"),  # an integer
+        ("InferenceObjective", ("spec", "poolRef", "nmae"), "tokenwire"),
+        ("HTTPRoute", ("spec", "rules", 0, "backendRefs", 0, "weigth"), 1),
+        ("HTTPRoute", ("spec", "rules", 0, "timeouts", "request"), "forever"),
+    ],
+)
+def test_validation_against_the_crds_would_catch_a_mistake(
+    kind: str, path: tuple[str | int, ...], value: object
+) -> None:
+    gateway = Rendered(GATEWAY_OVERLAY, render(GATEWAY_OVERLAY))
+    document = copy.deepcopy(next(o for o in gateway.objects if o["kind"] == kind))
+    validate_custom_resource(document)  # as rendered: valid
+    *parents, last = path
+    node: Any = document
+    for step in parents:
+        node = node[step]
+    node[last] = value
+    with pytest.raises(jsonschema.ValidationError):
+        validate_custom_resource(document)
 
 
 def test_validation_would_catch_a_misspelt_field(rendered: Rendered) -> None:

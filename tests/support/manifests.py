@@ -14,6 +14,9 @@ import yaml
 
 KUBERNETES = Path(__file__).resolve().parents[2] / "deploy" / "kubernetes"
 OVERLAYS = ("cpu", "cuda")
+"""The device overlays: the same objects, each its own pods."""
+GATEWAY_OVERLAY = "inference-gateway"
+"""The cpu overlay behind the Kubernetes inference gateway (its pool, picker, objectives, route)."""
 ADAPTER_RULES = KUBERNETES / "prometheus-adapter" / "rules.yaml"
 
 Object = dict[str, Any]
@@ -56,7 +59,8 @@ class Rendered:
 
     @property
     def deployment(self) -> Object:
-        return self.one("Deployment")
+        """tokenwire's own (the inference-gateway overlay has the endpoint picker's besides)."""
+        return self.one("Deployment", "tokenwire")
 
     @property
     def pod(self) -> Object:

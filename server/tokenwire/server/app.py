@@ -39,6 +39,7 @@ from tokenwire.server.sampling.constraint import FormatCompiler
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import BearerTokenInterceptor
 from tokenwire.server.security.callers import CallerDirectory
+from tokenwire.server.security.gateway_headers import GatewayHeaders
 from tokenwire.server.telemetry.exporters import MetricsTls, Telemetry
 
 log = logging.getLogger(__name__)
@@ -163,6 +164,7 @@ class TokenwireServer:
                 unread_timeout=settings.stream.unread_output_timeout,
             ),
             generations=self.generations,
+            gateway=GatewayHeaders(settings.gateway, (caller for _, caller in settings.auth.token_callers())),
         )
         add_inference_service(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)

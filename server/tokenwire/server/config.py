@@ -22,6 +22,7 @@ from tokenwire.server.engine.types import Caller
 from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.models.runtime_check import Device
 from tokenwire.server.security.callers import default_name
+from tokenwire.server.security.gateway_headers import GatewaySettings
 from tokenwire.server.security.tls import TlsSettings
 from tokenwire.server.settings_schema import (
     ENGINE,
@@ -190,6 +191,7 @@ class ServerSettings:
     )
     auth: AuthSettings = settings_group(AuthSettings, group=SECURITY)
     tls: TlsSettings = settings_group(TlsSettings, group=SECURITY, prefix="tls_")
+    gateway: GatewaySettings = settings_group(GatewaySettings, group=SECURITY, prefix="gateway_")
     telemetry: TelemetrySettings = settings_group(TelemetrySettings, group=TELEMETRY)
     health: HealthSettings = settings_group(HealthSettings, group=HEALTH, prefix="health_")
     load_report_min_interval: float = setting(
@@ -217,6 +219,9 @@ class ServerSettings:
         problems += self._telemetry_problems()
         problems += self._tls_problems()
         problems += self._health_problems()
+        problems += self.gateway.problems(
+            [caller for _, caller in self.auth.token_callers()], authenticated=self.auth.enabled
+        )
         return problems
 
     def _telemetry_problems(self) -> list[str]:

@@ -30,6 +30,7 @@ from tokenwire.server.engine.validation import RequestLimits, RequestSpec
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.metadata import Metadata
 from tokenwire.server.security.callers import CallerDirectory
+from tokenwire.server.security.gateway_headers import GatewayHeaders
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.v1 import inference_service_pb2 as pb
 
@@ -63,6 +64,7 @@ class Admission:
         callers: CallerDirectory,
         limits: RequestLimits | None = None,
         generations: GenerationRegistry | None = None,
+        gateway: GatewayHeaders | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
@@ -71,6 +73,7 @@ class Admission:
         self._limits = limits or RequestLimits()
         self._workers = ThreadPoolExecutor(VALIDATION_WORKERS, thread_name_prefix="validation")
         self._generations = generations
+        self._gateway = gateway if gateway is not None and gateway.active else None
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
@@ -100,12 +103,18 @@ class Admission:
             on_event(event)
 
         try:
+            if self._gateway is not None:
+                caller = self._gateway.caller(caller, metadata)
+                record.identified(caller.name)
             if isinstance(message, UndecodableRequest):
                 raise message.error()
             # Only the id and model first: the rest may be huge, and is bounded before it is read.
             record.describe(RequestSpec(request_id=message.request_id, model=message.model))
             request_bounds.check_before_model(message, self._limits)
             spec = convert.request_spec(message)
+            if self._gateway is not None and spec.priority is not None:  # None: a value validation refuses
+                body = spec.priority if message.priority != pb.PRIORITY_UNSPECIFIED else None
+                spec = replace(spec, priority=self._gateway.priority(metadata, body) or spec.priority)
             if live_ids is None and not spec.request_id:
                 spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
             record.describe(spec)

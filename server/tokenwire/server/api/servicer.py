@@ -20,6 +20,7 @@ from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, F
 from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.security.callers import CallerDirectory
+from tokenwire.server.security.gateway_headers import GatewayHeaders
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
@@ -39,6 +40,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         limits: RequestLimits | None = None,
         stream_caps: StreamCaps | None = None,
         generations: GenerationRegistry | None = None,
+        gateway: GatewayHeaders | None = None,
     ) -> None:
         self._registry = registry
         self._lifecycle = lifecycle
@@ -51,6 +53,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             callers or CallerDirectory(),
             limits,
             generations,
+            gateway,
         )
         self._caps = stream_caps or StreamCaps()
 
