@@ -97,18 +97,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: Context
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
         received = self._clock()
-        metadata = context.invocation_metadata()
-        try:
-            self._lifecycle.check_accepting()
-        except GenerationError as error:
-            self._telemetry.begin("StreamGenerate", metadata, received).refused(error)
-            await errors.abort(context, error)
+        # A server that is loading or draining still opens the call and reads it: admission
+        # refuses each generation on it with a retryable UNAVAILABLE (one record each), and the
+        # call ends with OK once the client half-closes. Ending the call with a status while its
+        # client is still writing would race those writes, and a grpc client whose write fails
+        # on a finished call reports INTERNAL ("Internal error from Core") instead of the status.
         session = StreamSession(
             self._admission,
             self._clock,
             _call_deadline(context, received),
             self._telemetry,
-            metadata,
+            context.invocation_metadata(),
             self._caps,
         )
         try:
