@@ -26,6 +26,11 @@ from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
 Context: TypeAlias = grpc.aio.ServicerContext
 
+DEADLINE_CLOCK_SLACK = 0.05
+"""Seconds: gRPC's deadline timer can cancel a call while time_remaining() still reads a few
+milliseconds left (its timer and the context's clock differ), so a call cancelled this close to
+its deadline was ended by the deadline, and is recorded so."""
+
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(
@@ -84,7 +89,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # The call ended under us: the client cancelled, disconnected or its deadline passed.
             remaining = context.time_remaining()
             reason = (
-                AbortReason.DEADLINE if remaining is not None and remaining <= 0 else AbortReason.DISCONNECTED
+                AbortReason.DEADLINE
+                if remaining is not None and remaining <= DEADLINE_CLOCK_SLACK
+                else AbortReason.DISCONNECTED
             )
             admitted.stop(reason)
             raise
