@@ -10,11 +10,6 @@ the real decode steps so the fault lands at a known point; the storm runs at rea
 from __future__ import annotations
 
 import asyncio
-import json
-import signal
-import subprocess
-import sys
-import threading
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -26,6 +21,7 @@ from grpc_health.v1 import health_pb2
 
 from tests.conftest import ServerFactory
 from tests.reliability.recovery import assert_recovered, health_status
+from tests.reliability.stream_client import ClientProcess
 from tests.reliability.workload import Outcome, build_mix, run_load
 from tests.support.events import Transcript, read_until
 from tests.support.options import greedy
@@ -92,45 +88,6 @@ def error_code(event: StreamEvent) -> grpc.StatusCode:
 
 
 # -- a client process killed mid-stream -----------------------------------------------------------
-
-
-class ClientProcess:
-    """tests/reliability/stream_client.py in a child process; its event lines, read with a bound."""
-
-    def __init__(self, port: int, generations: int, max_new_tokens: int) -> None:
-        self.process = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "tests.reliability.stream_client",
-                f"127.0.0.1:{port}",
-                str(generations),
-                str(max_new_tokens),
-            ],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            cwd=ROOT,
-        )
-        self.events: list[tuple[str, str]] = []
-        self._changed = threading.Condition()
-        threading.Thread(target=self._read, daemon=True).start()
-
-    def _read(self) -> None:
-        assert self.process.stdout is not None
-        for line in self.process.stdout:
-            parsed = json.loads(line)
-            with self._changed:
-                self.events.append((parsed["id"], parsed["event"]))
-                self._changed.notify_all()
-
-    def seen(self, request_id: str, event: str) -> bool:
-        with self._changed:
-            return (request_id, event) in self.events
-
-    def kill(self) -> None:
-        self.process.send_signal(signal.SIGKILL)
-        self.process.wait(10)
 
 
 async def test_client_process_killed_mid_stream_frees_its_running_and_queued_generations(

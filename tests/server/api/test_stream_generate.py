@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
@@ -224,3 +225,26 @@ async def test_per_request_error_keeps_the_stream_open(client: AsyncClient) -> N
     assert isinstance(bad, Failed)
     assert [v.field for v in bad.error.field_violations] == ["sampling.temperature"]  # type: ignore[attr-defined]
     assert isinstance(transcript.final("good"), Completed)
+
+
+async def test_a_stream_opened_while_draining_refuses_each_generation_as_retryable_and_ends_ok(
+    server: TokenwireServer, client: AsyncClient
+) -> None:
+    # Many calls at once, each still writing as the server answers it, as under a drain with load:
+    # a server that ended such a call with a status let some clients read INTERNAL instead.
+    await server.drain(timeout=5)
+
+    async def one_call(number: int) -> list[StreamEvent]:
+        async with client.open_stream() as stream:
+            for part in range(3):
+                await stream.submit(f"c{number}.{part}", "Hi", greedy(4))
+            await stream.close_requests()
+            return [event async for event in stream.events()]
+
+    calls = await asyncio.gather(*(one_call(number) for number in range(200)))
+    for number, events in enumerate(calls):
+        assert sorted(event.request_id for event in events) == [f"c{number}.{part}" for part in range(3)]
+        for event in events:
+            assert isinstance(event, Failed) and isinstance(event.error, TokenwireError)
+            assert event.error.code is grpc.StatusCode.UNAVAILABLE
+            assert event.error.reason == "DRAINING" and event.error.retryable

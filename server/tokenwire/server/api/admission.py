@@ -31,7 +31,7 @@ from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.metadata import Metadata
 from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.security.gateway_headers import GatewayHeaders
-from tokenwire.server.telemetry.requests import RequestTelemetry
+from tokenwire.server.telemetry.requests import RequestRecord, RequestTelemetry
 from tokenwire.v1 import inference_service_pb2 as pb
 
 
@@ -129,7 +129,7 @@ class Admission:
                 earlier = self._generations.find(caller.name, idempotency_key, fingerprint)
                 if earlier is not None:
                     subscription = self._generations.attach(earlier, observed)
-                    return Admitted(spec.request_id, 0, subscription.stop, attached=True)
+                    return Admitted(spec.request_id, 0, _leaving(subscription.stop, record), attached=True)
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
@@ -161,7 +161,7 @@ class Admission:
             earlier = self._generations.find(caller.name, idempotency_key, fingerprint)
             if earlier is not None:
                 subscription = self._generations.attach(earlier, observed)
-                return Admitted(spec.request_id, 0, subscription.stop, attached=True)
+                return Admitted(spec.request_id, 0, _leaving(subscription.stop, record), attached=True)
             generation, subscription = self._generations.begin(
                 caller.name, idempotency_key, fingerprint, observed
             )
@@ -171,10 +171,29 @@ class Admission:
                 self._generations.discard(generation)
                 raise
             self._generations.bind(generation, served.engine, ticket.key)
-            return Admitted(spec.request_id, ticket.queue_position, subscription.stop)
+            return Admitted(spec.request_id, ticket.queue_position, _leaving(subscription.stop, record))
         except GenerationError as error:
             record.refused(error)
             raise
+        except asyncio.CancelledError:  # the call went away while its request was being validated
+            record.left(AbortReason.DISCONNECTED, reached_engine=False)
+            raise
+
+
+def _leaving(stop: Callable[[AbortReason], None], record: RequestRecord) -> Callable[[AbortReason], None]:
+    """`stop` for a call that hears its generation through the generation registry.
+
+    A cancel ends the generation for every listener, this call included, so the request's record
+    hears the final event. A call that goes away stops listening at once (other calls may keep
+    the generation going), so no final event will reach its record: it is written here.
+    """
+
+    def stop_and_record(reason: AbortReason) -> None:
+        stop(reason)
+        if reason is not AbortReason.CANCELLED:
+            record.left(reason, reached_engine=True)
+
+    return stop_and_record
 
 
 def _fingerprint(message: pb.GenerateRequest) -> bytes:

@@ -27,6 +27,11 @@ from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
 Context: TypeAlias = grpc.aio.ServicerContext
 
+DEADLINE_CLOCK_SLACK = 0.05
+"""Seconds: gRPC's deadline timer can cancel a call while time_remaining() still reads a few
+milliseconds left (its timer and the context's clock differ), so a call cancelled this close to
+its deadline was ended by the deadline, and is recorded so."""
+
 
 class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(
@@ -87,7 +92,9 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             # The call ended under us: the client cancelled, disconnected or its deadline passed.
             remaining = context.time_remaining()
             reason = (
-                AbortReason.DEADLINE if remaining is not None and remaining <= 0 else AbortReason.DISCONNECTED
+                AbortReason.DEADLINE
+                if remaining is not None and remaining <= DEADLINE_CLOCK_SLACK
+                else AbortReason.DISCONNECTED
             )
             admitted.stop(reason)
             raise
@@ -100,18 +107,17 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: Context
     ) -> AsyncIterator[pb.StreamGenerateResponse]:
         received = self._clock()
-        metadata = context.invocation_metadata()
-        try:
-            self._lifecycle.check_accepting()
-        except GenerationError as error:
-            self._telemetry.begin("StreamGenerate", metadata, received).refused(error)
-            await errors.abort(context, error)
+        # A server that is loading or draining still opens the call and reads it: admission
+        # refuses each generation on it with a retryable UNAVAILABLE (one record each), and the
+        # call ends with OK once the client half-closes. Ending the call with a status while its
+        # client is still writing would race those writes, and a grpc client whose write fails
+        # on a finished call reports INTERNAL ("Internal error from Core") instead of the status.
         session = StreamSession(
             self._admission,
             self._clock,
             _call_deadline(context, received),
             self._telemetry,
-            metadata,
+            context.invocation_metadata(),
             self._caps,
         )
         try:

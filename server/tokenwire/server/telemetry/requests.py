@@ -2,9 +2,20 @@
 
 The edge knows what the engine's observer cannot: the request id, the caller's trace context,
 and requests refused before they reached the engine. When a request ends its record emits the
-span (when tracing is on), the access-log line, and, for a refusal, the outcome count that the
-engine's observer never sees. The record takes the request's events as they are delivered; it
-only looks at the final event, which carries the outcome and timing, and records nothing per token.
+span (when tracing is on), the access-log line, and, for a request the engine never counted, the
+outcome count that the engine's observer never sees.
+
+A request ends in exactly one of three ways, and each is one method of its record:
+- `observe` takes the final engine event (completed, cancelled, deadline, failed), which carries
+  the outcome and the engine's timing;
+- `refused`: admission refused it (invalid, queue full, draining, ...);
+- `left`: its call went away (cancelled, disconnected, past its deadline) where no final event
+  will reach this record: before the engine had the request, or from a generation that other
+  calls still listen to.
+The first of them writes the record; any later one is ignored, so no request is written twice.
+Everything here runs on the event loop. Until its end a record keeps two numbers per request
+(when it started, how many tokens it heard of), so that a call that left is recorded with what
+it got; nothing is written per token.
 """
 
 from __future__ import annotations
@@ -13,8 +24,17 @@ import logging
 import time
 from collections.abc import Callable
 
-from tokenwire.server.engine.errors import GenerationError, excerpt
-from tokenwire.server.engine.types import Completed, EngineEvent, Failed, Outcome
+from tokenwire.server.engine.errors import ErrorKind, GenerationError, excerpt
+from tokenwire.server.engine.types import (
+    AbortReason,
+    Completed,
+    EngineEvent,
+    Failed,
+    FinishReason,
+    Outcome,
+    Started,
+    TokensGenerated,
+)
 from tokenwire.server.engine.validation import RequestSpec
 from tokenwire.server.metadata import Metadata
 from tokenwire.server.telemetry.access_log import AccessLog
@@ -67,6 +87,10 @@ class RequestRecord:
         self._caller = "anonymous"
         self._parameters: RequestParameters | None = None
         self._ended = not owner.enabled
+        self._queued: float | None = None
+        self._prompt_tokens = 0
+        self._first_token: float | None = None
+        self._tokens_heard = 0
 
     def describe(self, spec: RequestSpec) -> None:
         # A refused request is recorded with whatever id and model it carried: never all of them.
@@ -91,10 +115,49 @@ class RequestRecord:
         """Take one of the request's engine events (called by its event sink)."""
         if self._ended:
             return
-        if isinstance(event, Completed):
+        if isinstance(event, TokensGenerated):
+            if event.token_ids and self._first_token is None:
+                self._first_token = self._owner.clock() - self._received
+            self._tokens_heard += len(event.token_ids)
+        elif isinstance(event, Started):
+            self._queued, self._prompt_tokens = event.queued_seconds, event.prompt_tokens
+        elif isinstance(event, Completed):
             self._emit(self._completed(event))
         elif isinstance(event, Failed):
             self._emit(self._failed(event))
+
+    def left(self, reason: AbortReason, *, reached_engine: bool) -> None:
+        """The request's call went away and no final event will reach this record.
+
+        reached_engine: the engine has (or had) the request, so its observer counts the
+        generation's outcome; otherwise the record counts this one, as it does a refusal.
+        """
+        if self._ended:
+            return
+        outcome, error = _LEFT_ENDINGS[reason]
+        if not reached_engine and self._owner.metrics is not None:
+            self._owner.metrics.request_refused(model=self._model, outcome=outcome, caller=self._caller)
+        self._emit(
+            RequestSummary(
+                method=self._method,
+                request_id=self._request_id,
+                model=self._model,
+                outcome=outcome,
+                stages=Stages(
+                    total=self._owner.clock() - self._received,
+                    queued=self._queued,
+                    first_token=self._first_token,
+                ),
+                parameters=self._parameters,
+                finish_reason=FinishReason.CANCELLED.value if error is None else None,
+                prompt_tokens=self._prompt_tokens,
+                completion_tokens=self._tokens_heard,
+                error_code=None if error is None else error.kind.name,
+                error_reason=None if error is None else error.reason,
+                error_message=None if error is None else error.message,
+                caller=self._caller,
+            )
+        )
 
     def refused(self, error: GenerationError) -> None:
         """The request was refused before the engine accepted it."""
@@ -171,6 +234,26 @@ class RequestRecord:
         except Exception:  # telemetry must never break the request it describes
             log.exception("recording telemetry for request %r failed", summary.request_id)
         self._metadata = None  # holds the caller's credentials: keep them no longer than needed
+
+
+_LEFT_ENDINGS: dict[AbortReason, tuple[Outcome, GenerationError | None]] = {
+    AbortReason.CANCELLED: (Outcome.CANCELLED, None),
+    AbortReason.DISCONNECTED: (Outcome.CANCELLED, None),
+    AbortReason.DEADLINE: (
+        Outcome.DEADLINE,
+        GenerationError(
+            ErrorKind.DEADLINE_EXCEEDED, "the call's deadline passed", reason="DEADLINE_EXCEEDED"
+        ),
+    ),
+    AbortReason.SHUTDOWN: (
+        Outcome.UNAVAILABLE,
+        GenerationError(
+            ErrorKind.UNAVAILABLE, "the server shut down before the request ended", reason="SHUTDOWN"
+        ),
+    ),
+}
+"""A call that went away is recorded as the engine records the same abort: cancelled (a result),
+or failed with the reason's error."""
 
 
 def _stages(event: Completed | Failed) -> Stages:
