@@ -42,7 +42,9 @@ from tokenwire.server.telemetry.tracing import Metadata
 
 log = logging.getLogger(__name__)
 
-LOAD_REPORTED_METHODS = frozenset({f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/StreamGenerate"})
+LOAD_REPORTED_METHODS = frozenset(
+    f"/{SERVICE_NAME}/{method}" for method in ("Generate", "StreamGenerate", "GenerateStream")
+)
 
 ModelWrapper = Callable[[LoadedModel], LoadedModel]
 """Hook applied to each loaded model before serving it (tests use it to inject faults)."""
