@@ -1,8 +1,9 @@
 """deploy/haproxy/haproxy.cfg, run by the real HAProxy in front of three real replicas.
 
 Streams, cancellation and health pass through the proxy: generations spread over the replicas,
-a cancelled call or generation stops within one decode step on the replica behind the proxy,
-and a replica that reports NOT_SERVING is taken out by the proxy's gRPC health check.
+one per GenerateStream call even when every call shares one client connection, a cancelled call
+or generation stops within one decode step on the replica behind the proxy, and a replica that
+reports NOT_SERVING is taken out by the proxy's gRPC health check.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from tests.support.fleet import fleet, replica_host, replica_name
 from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.stepping import StepGate
-from tokenwire.client import AsyncClient, Completed, FinishReason, collect
+from tokenwire.client import AsyncClient, Chunk, Completed, FinishReason, Queued, collect
 from tokenwire.server.api.handlers import SERVICE_NAME
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.health import NOT_SERVING, SERVING
@@ -151,6 +152,54 @@ async def test_streams_pass_through_the_proxy_to_every_replica(tiny_model_dir: P
     assert unary.completion_tokens == 6
     assert [g.completion_tokens for g in multiplexed] == [4, 4, 4]
     assert len({g.model for g in multiplexed}) == 1
+
+
+async def test_concurrent_generate_stream_calls_on_one_connection_spread_over_every_replica(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Nine generations in flight at once, each its own GenerateStream call, all on one client
+    # channel (one HTTP/2 connection to the proxy). The gate holds every decode step, so all nine
+    # are live together and leastconn sees each replica's count grow as it places them.
+    gate = StepGate()
+    async with (
+        proxied_fleet(tiny_model_dir, tmp_path, gate) as (servers, proxy),
+        AsyncClient(proxy.target, retries=False) as client,
+    ):
+        streams = [client.stream("Hi", greedy(4)) for _ in range(9)]
+        for stream in streams:
+            assert isinstance(await anext(stream), Queued)
+        live = [server.registry.default.engine.live_count for server in servers]
+        gate.open()
+        generations = await asyncio.gather(*(collect(stream) for stream in streams))
+    assert sum(live) == 9
+    assert live == [3, 3, 3], live
+    assert Counter(g.model for g in generations) == {"r1": 3, "r2": 3, "r3": 3}
+    assert all(g.completion_tokens == 4 for g in generations)
+
+
+async def test_a_generate_stream_call_cancelled_through_the_proxy_stops_within_one_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    gate = StepGate()
+    async with proxied_fleet(tiny_model_dir, tmp_path, gate) as (servers, proxy):
+        async with AsyncClient(proxy.target, retries=False) as client:
+            gate.allow(2)
+            tokens = 0
+            async for event in client.stream("Abandoned", greedy(150)):
+                tokens += len(event.token_ids) if isinstance(event, Chunk) else 0
+                if tokens >= 2:
+                    break  # leaving the loop cancels the call: RST_STREAM through the proxy
+        await wait_until(
+            lambda: total(servers, "abort_requests") == 1, what="the replica to hear of the cancelled call"
+        )
+        steps_at_cancel = total(servers, "decode_steps")
+        gate.open()
+        for server in servers:
+            assert await server.registry.default.engine.wait_idle(5)
+        assert total(servers, "aborted") == 1
+        assert max(s.registry.default.engine.stats.max_abort_latency_steps for s in servers) <= 1
+        assert total(servers, "orphaned_steps") == 0
+        assert total(servers, "decode_steps") - steps_at_cancel <= 1
 
 
 async def test_a_call_cancelled_through_the_proxy_stops_within_one_step(
