@@ -3,7 +3,8 @@
 Streams, cancellation and health pass through the proxy: generations spread over the replicas,
 one per GenerateStream call even when every call shares one client connection, a cancelled call
 or generation stops within one decode step on the replica behind the proxy, and a replica that
-reports NOT_SERVING is taken out by the proxy's gRPC health check.
+reports NOT_SERVING is taken out by the proxy's gRPC health check. Behind HAProxy as a plain L4
+(TCP) balancer, --max-connection-age moves one client's calls to another replica.
 """
 
 from __future__ import annotations
@@ -76,8 +77,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def haproxy(servers: list[TokenwireServer], workdir: Path) -> Iterator[Proxy]:
-    """Run HAProxy with the shipped config, plus a stats socket for the test to read states."""
+def haproxy(servers: list[TokenwireServer], workdir: Path, config: Path = CONFIG) -> Iterator[Proxy]:
+    """Run HAProxy with `config` (the shipped one by default), plus a stats socket for the test to
+    read states."""
     executable = shutil.which("haproxy")
     if executable is None:
         pytest.skip("`haproxy` is not on PATH: scripts/test installs it (scripts/test-packages.txt)")
@@ -95,7 +97,7 @@ def haproxy(servers: list[TokenwireServer], workdir: Path) -> Iterator[Proxy]:
     }
     log = (workdir / "haproxy.log").open("w", encoding="utf-8")
     process = subprocess.Popen(
-        [executable, "-W", "-db", "-f", str(CONFIG), "-f", str(extra)],
+        [executable, "-W", "-db", "-f", str(config), "-f", str(extra)],
         env=environment,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -273,3 +275,46 @@ async def test_the_proxy_health_check_takes_a_not_serving_replica_out_and_back(
                 served_after[(await client.generate("Hi", greedy(2))).model] += 1
     assert served_while_out["r2"] == 0 and sum(served_while_out.values()) == 9, served_while_out
     assert served_after["r2"] >= 1, served_after
+
+
+L4_CONFIG = """
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 1h
+    timeout server 1h
+frontend l4
+    bind "${TOKENWIRE_PROXY_BIND}"
+    default_backend tokenwire
+backend tokenwire
+    balance roundrobin
+    server r1 "${TOKENWIRE_REPLICA_1}"
+    server r2 "${TOKENWIRE_REPLICA_2}"
+    server r3 "${TOKENWIRE_REPLICA_3}"
+"""
+"""HAProxy as an L4 balancer (as kube-proxy is for a ClusterIP Service): it places connections,
+never looking inside them, so one client channel's calls all go where its connection went."""
+
+
+async def test_behind_an_l4_balancer_an_aged_connection_brings_the_client_to_another_replica(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "l4.cfg"
+    config.write_text(L4_CONFIG, encoding="utf-8")
+    async with fleet(tiny_model_dir, max_connection_age=1.0) as servers:
+        with haproxy(servers, tmp_path, config) as proxy:
+            await wait_until(
+                lambda: proxy.stats_socket.exists(), timeout=CHECK_BOUND, what="HAProxy to start"
+            )
+            async with AsyncClient(proxy.target, retries=False) as client:
+                served = [(await client.generate("Hi", greedy(2))).model]
+                loop = asyncio.get_running_loop()
+                give_up = loop.time() + 30
+                # One channel, one connection at a time: a second replica is reached only when the
+                # first connection aged out and the client opened another.
+                while len(set(served)) < 2:
+                    assert loop.time() < give_up, f"every call stayed on {served[0]}"
+                    await asyncio.sleep(0.1)
+                    served.append((await client.generate("Hi", greedy(2))).model)
+    assert set(served) <= {"r1", "r2", "r3"}
+    assert served[0] != served[-1]
