@@ -80,7 +80,7 @@ class InferenceServiceStub:
     cannot do for the generations multiplexed on one StreamGenerate call.
 
     The request is a Generate request (request_id optional: the server assigns one when it is
-    empty; a client-chosen id makes it idempotent exactly as on Generate). Every response carries
+    empty), idempotent for its caller exactly as it is on Generate. Every response carries
     the request_id, and the events come in StreamGenerate's order: queued, started, zero or more
     chunks, then completed, after which the call ends with OK.
     A failure never comes as an `error` event here: the call ends with the status, message and
@@ -150,7 +150,7 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     cannot do for the generations multiplexed on one StreamGenerate call.
 
     The request is a Generate request (request_id optional: the server assigns one when it is
-    empty; a client-chosen id makes it idempotent exactly as on Generate). Every response carries
+    empty), idempotent for its caller exactly as it is on Generate. Every response carries
     the request_id, and the events come in StreamGenerate's order: queued, started, zero or more
     chunks, then completed, after which the call ends with OK.
     A failure never comes as an `error` event here: the call ends with the status, message and
@@ -235,7 +235,7 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         cannot do for the generations multiplexed on one StreamGenerate call.
 
         The request is a Generate request (request_id optional: the server assigns one when it is
-        empty; a client-chosen id makes it idempotent exactly as on Generate). Every response carries
+        empty), idempotent for its caller exactly as it is on Generate. Every response carries
         the request_id, and the events come in StreamGenerate's order: queued, started, zero or more
         chunks, then completed, after which the call ends with OK.
         A failure never comes as an `error` event here: the call ends with the status, message and
