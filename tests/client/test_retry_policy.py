@@ -1,16 +1,15 @@
 """The bundled retry policy makes a request refused for capacity succeed once capacity frees up, for
-Generate (gRPC's retries) and for a generation streamed on a call of its own (the client's)."""
+Generate and for a generation streamed on a GenerateStream call of its own: both are refused
+with a status before any response, which gRPC's retry policy sends again."""
 
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import grpc
-import pytest
 
 from tests.conftest import ServerFactory
 from tests.support.polling import wait_until
@@ -22,14 +21,11 @@ from tokenwire.client import (
     Failed,
     GenerateOptions,
     Generation,
-    Queued,
     Sampling,
     Stopping,
     TokenwireError,
     collect,
-    service_config,
 )
-from tokenwire.client.retry import INFERENCE_SERVICE, inference_retry_policy
 from tokenwire.server.app import TokenwireServer
 
 OPTIONS = GenerateOptions(
@@ -77,8 +73,8 @@ async def test_rejected_request_is_retried_after_the_pushback_and_succeeds(
 async def test_a_streamed_generation_refused_at_admission_is_sent_again_unseen(
     start_server: ServerFactory,
 ) -> None:
-    # A stream call is accepted and the generation on it refused (queue full): the refusal is the
-    # generation's first event, which the client answers by sending it again on a new call.
+    # The generation is refused (queue full) before its call sent anything: gRPC sends the call
+    # again after the server's pushback, and the caller sees only the generation that ran.
     async with full_server(start_server) as full, AsyncClient(f"127.0.0.1:{full.server.port}") as retrying:
         retried = asyncio.create_task(collect(retrying.stream("retried", OPTIONS)))
         await wait_until(lambda: full.rejected() >= 1, what="a rejection")
@@ -121,31 +117,6 @@ async def test_a_retrying_client_gives_each_generation_an_idempotency_key(
         await asyncio.to_thread(blocking.generate, "blocking", OPTIONS)
     assert registered == 2  # the two of the retrying client; a request_id alone is no key
     assert server.generations.kept_count == 3
-
-
-def refusal(code: grpc.StatusCode, retry_after: float | None = None) -> Failed:
-    return Failed("r", TokenwireError(code, "refused", retry_after=retry_after))
-
-
-def test_only_a_first_event_that_refuses_retryably_is_sent_again() -> None:
-    policy = inference_retry_policy()
-    half = lambda: 0.5  # noqa: E731
-    assert policy.delay(refusal(grpc.StatusCode.UNAVAILABLE), 1, jitter=half) == pytest.approx(0.1)
-    assert policy.delay(refusal(grpc.StatusCode.UNAVAILABLE), 3, jitter=half) == pytest.approx(0.4)
-    assert policy.delay(refusal(grpc.StatusCode.RESOURCE_EXHAUSTED, 0.7), 1, jitter=half) == 0.7
-    assert policy.delay(refusal(grpc.StatusCode.UNAVAILABLE), policy.max_attempts) is None
-    assert policy.delay(refusal(grpc.StatusCode.INVALID_ARGUMENT), 1) is None
-    # Admitted first: whatever comes later is the caller's to see.
-    assert policy.delay(Queued("r", 0), 1) is None
-
-
-def test_the_stream_retry_policy_is_the_shipped_service_configs() -> None:
-    shipped = json.loads(service_config())
-    (inference,) = [c for c in shipped["methodConfig"] if {"service": INFERENCE_SERVICE} in c["name"]]
-    policy = inference_retry_policy()
-    assert policy.max_attempts == inference["retryPolicy"]["maxAttempts"]
-    assert f"{policy.initial_backoff}s" == inference["retryPolicy"]["initialBackoff"]
-    assert policy.multiplier == inference["retryPolicy"]["backoffMultiplier"]
 
 
 async def test_the_blocking_client_sends_a_refused_streamed_generation_again_too(

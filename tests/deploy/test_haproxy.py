@@ -1,8 +1,10 @@
 """deploy/haproxy/haproxy.cfg, run by the real HAProxy in front of three real replicas.
 
 Streams, cancellation and health pass through the proxy: generations spread over the replicas,
-a cancelled call or generation stops within one decode step on the replica behind the proxy,
-and a replica that reports NOT_SERVING is taken out by the proxy's gRPC health check.
+one per GenerateStream call even when every call shares one client connection, a cancelled call
+or generation stops within one decode step on the replica behind the proxy, and a replica that
+reports NOT_SERVING is taken out by the proxy's gRPC health check. Behind HAProxy as a plain L4
+(TCP) balancer, --max-connection-age moves one client's calls to another replica.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from tests.support.fleet import fleet, replica_host, replica_name
 from tests.support.options import greedy
 from tests.support.polling import wait_until
 from tests.support.stepping import StepGate
-from tokenwire.client import AsyncClient, Completed, FinishReason, collect
+from tokenwire.client import AsyncClient, Chunk, Completed, FinishReason, Queued, collect
 from tokenwire.server.api.handlers import SERVICE_NAME
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.health import NOT_SERVING, SERVING
@@ -75,8 +77,9 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def haproxy(servers: list[TokenwireServer], workdir: Path) -> Iterator[Proxy]:
-    """Run HAProxy with the shipped config, plus a stats socket for the test to read states."""
+def haproxy(servers: list[TokenwireServer], workdir: Path, config: Path = CONFIG) -> Iterator[Proxy]:
+    """Run HAProxy with `config` (the shipped one by default), plus a stats socket for the test to
+    read states."""
     executable = shutil.which("haproxy")
     if executable is None:
         pytest.skip("`haproxy` is not on PATH: scripts/test installs it (scripts/test-packages.txt)")
@@ -94,7 +97,7 @@ def haproxy(servers: list[TokenwireServer], workdir: Path) -> Iterator[Proxy]:
     }
     log = (workdir / "haproxy.log").open("w", encoding="utf-8")
     process = subprocess.Popen(
-        [executable, "-W", "-db", "-f", str(CONFIG), "-f", str(extra)],
+        [executable, "-W", "-db", "-f", str(config), "-f", str(extra)],
         env=environment,
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -151,6 +154,54 @@ async def test_streams_pass_through_the_proxy_to_every_replica(tiny_model_dir: P
     assert unary.completion_tokens == 6
     assert [g.completion_tokens for g in multiplexed] == [4, 4, 4]
     assert len({g.model for g in multiplexed}) == 1
+
+
+async def test_concurrent_generate_stream_calls_on_one_connection_spread_over_every_replica(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    # Nine generations in flight at once, each its own GenerateStream call, all on one client
+    # channel (one HTTP/2 connection to the proxy). The gate holds every decode step, so all nine
+    # are live together and leastconn sees each replica's count grow as it places them.
+    gate = StepGate()
+    async with (
+        proxied_fleet(tiny_model_dir, tmp_path, gate) as (servers, proxy),
+        AsyncClient(proxy.target, retries=False) as client,
+    ):
+        streams = [client.stream("Hi", greedy(4)) for _ in range(9)]
+        for stream in streams:
+            assert isinstance(await anext(stream), Queued)
+        live = [server.registry.default.engine.live_count for server in servers]
+        gate.open()
+        generations = await asyncio.gather(*(collect(stream) for stream in streams))
+    assert sum(live) == 9
+    assert live == [3, 3, 3], live
+    assert Counter(g.model for g in generations) == {"r1": 3, "r2": 3, "r3": 3}
+    assert all(g.completion_tokens == 4 for g in generations)
+
+
+async def test_a_generate_stream_call_cancelled_through_the_proxy_stops_within_one_step(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    gate = StepGate()
+    async with proxied_fleet(tiny_model_dir, tmp_path, gate) as (servers, proxy):
+        async with AsyncClient(proxy.target, retries=False) as client:
+            gate.allow(2)
+            tokens = 0
+            async for event in client.stream("Abandoned", greedy(150)):
+                tokens += len(event.token_ids) if isinstance(event, Chunk) else 0
+                if tokens >= 2:
+                    break  # leaving the loop cancels the call: RST_STREAM through the proxy
+        await wait_until(
+            lambda: total(servers, "abort_requests") == 1, what="the replica to hear of the cancelled call"
+        )
+        steps_at_cancel = total(servers, "decode_steps")
+        gate.open()
+        for server in servers:
+            assert await server.registry.default.engine.wait_idle(5)
+        assert total(servers, "aborted") == 1
+        assert max(s.registry.default.engine.stats.max_abort_latency_steps for s in servers) <= 1
+        assert total(servers, "orphaned_steps") == 0
+        assert total(servers, "decode_steps") - steps_at_cancel <= 1
 
 
 async def test_a_call_cancelled_through_the_proxy_stops_within_one_step(
@@ -224,3 +275,46 @@ async def test_the_proxy_health_check_takes_a_not_serving_replica_out_and_back(
                 served_after[(await client.generate("Hi", greedy(2))).model] += 1
     assert served_while_out["r2"] == 0 and sum(served_while_out.values()) == 9, served_while_out
     assert served_after["r2"] >= 1, served_after
+
+
+L4_CONFIG = """
+defaults
+    mode tcp
+    timeout connect 5s
+    timeout client 1h
+    timeout server 1h
+frontend l4
+    bind "${TOKENWIRE_PROXY_BIND}"
+    default_backend tokenwire
+backend tokenwire
+    balance roundrobin
+    server r1 "${TOKENWIRE_REPLICA_1}"
+    server r2 "${TOKENWIRE_REPLICA_2}"
+    server r3 "${TOKENWIRE_REPLICA_3}"
+"""
+"""HAProxy as an L4 balancer (as kube-proxy is for a ClusterIP Service): it places connections,
+never looking inside them, so one client channel's calls all go where its connection went."""
+
+
+async def test_behind_an_l4_balancer_an_aged_connection_brings_the_client_to_another_replica(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    config = tmp_path / "l4.cfg"
+    config.write_text(L4_CONFIG, encoding="utf-8")
+    async with fleet(tiny_model_dir, max_connection_age=1.0) as servers:
+        with haproxy(servers, tmp_path, config) as proxy:
+            await wait_until(
+                lambda: proxy.stats_socket.exists(), timeout=CHECK_BOUND, what="HAProxy to start"
+            )
+            async with AsyncClient(proxy.target, retries=False) as client:
+                served = [(await client.generate("Hi", greedy(2))).model]
+                loop = asyncio.get_running_loop()
+                give_up = loop.time() + 30
+                # One channel, one connection at a time: a second replica is reached only when the
+                # first connection aged out and the client opened another.
+                while len(set(served)) < 2:
+                    assert loop.time() < give_up, f"every call stayed on {served[0]}"
+                    await asyncio.sleep(0.1)
+                    served.append((await client.generate("Hi", greedy(2))).model)
+    assert set(served) <= {"r1", "r2", "r3"}
+    assert served[0] != served[-1]

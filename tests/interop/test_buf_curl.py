@@ -52,7 +52,8 @@ async def test_buf_curl_lists_the_methods_through_reflection(server: TokenwireSe
     code, out, err = await buf_curl(server.port, "--list-methods", f"http://127.0.0.1:{server.port}")
     assert code == 0, err
     methods = set(out.split())
-    assert {f"{SERVICE}/Generate", f"{SERVICE}/StreamGenerate", f"{SERVICE}/ListModels"} <= methods
+    rpcs = ("Generate", "GenerateStream", "StreamGenerate", "ListModels")
+    assert {f"{SERVICE}/{rpc}" for rpc in rpcs} <= methods
     assert "grpc.health.v1.Health/Check" in methods
 
 

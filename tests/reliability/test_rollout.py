@@ -23,7 +23,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
-import pytest
 
 from tests.support.events import Transcript, read_until
 from tests.support.options import greedy
@@ -227,8 +226,11 @@ async def test_a_rolling_update_and_a_crash_lose_only_the_crashed_replicas_strea
         await read_until(doomed, doomed_transcript, lambda t: any(t.tokens(r) for r in list(t.events)))
         r2.process.kill()  # a crash: streams on it break mid-generation
         killed = time.monotonic()
-        with pytest.raises(TokenwireError) as doomed_error:
-            await read_until(doomed, doomed_transcript, lambda t: False)
+        # The broken call is the generation's last event (stream runs on GenerateStream).
+        await read_until(doomed, doomed_transcript, lambda t: any(t.finished(r) for r in list(t.events)))
+        (doomed_events,) = doomed_transcript.events.values()
+        doomed_end = doomed_events[-1]
+        assert isinstance(doomed_end, Failed) and isinstance(doomed_end.error, TokenwireError)
         await asyncio.to_thread(r2.process.wait)
         await load.until_completed(COMPLETIONS_PER_PHASE, since=killed)
         await load.stop()
@@ -263,7 +265,7 @@ async def test_a_rolling_update_and_a_crash_lose_only_the_crashed_replicas_strea
         )
     ]
     assert unexpected == [], unexpected
-    assert doomed_error.value.code == grpc.StatusCode.UNAVAILABLE
+    assert doomed_end.error.code == grpc.StatusCode.UNAVAILABLE
     assert len(failed) <= STREAM_WORKERS
     r3.process.send_signal(signal.SIGTERM)
     assert await asyncio.wait_for(asyncio.to_thread(r3.process.wait), PHASE_BOUND) == 0

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-import uuid
 from collections.abc import AsyncIterator
 from dataclasses import replace
 from types import TracebackType
@@ -15,7 +13,6 @@ from tokenwire.client import messages
 from tokenwire.client.channel import Tls, aio_channel, auth_metadata
 from tokenwire.client.errors import TokenwireError
 from tokenwire.client.messages import Prompt
-from tokenwire.client.retry import inference_retry_policy
 from tokenwire.client.routing import Routing
 from tokenwire.client.types import (
     Chunk,
@@ -53,7 +50,7 @@ class AsyncClient:
     ) -> None:
         self.target = target
         self._channel = aio_channel(target, tls, retries=retries, routing=routing)
-        self._retry = inference_retry_policy() if retries else None
+        self._retries = retries
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._metadata = auth_metadata(token)
 
@@ -78,10 +75,9 @@ class AsyncClient:
         deadline: float | None = None,
     ) -> Generation:
         """Run one generation and return it whole. Raises TokenwireError."""
-        # With retries on, every Generate carries an idempotency key, so a retry the channel sends
-        # (the same message) joins the first attempt's generation on the server instead of starting
-        # another. The request_id is only a label and makes nothing idempotent.
-        if self._retry is not None and not idempotency_key:
+        # With retries on, the request carries an idempotency key, so a retry the channel sends
+        # (the same message) joins the first attempt's generation instead of starting another.
+        if self._retries and not idempotency_key:
             idempotency_key = messages.new_idempotency_key()
         request = messages.generate_request(prompt, options, request_id, idempotency_key)
         try:
@@ -99,38 +95,28 @@ class AsyncClient:
         idempotency_key: str = "",
         deadline: float | None = None,
     ) -> AsyncIterator[StreamEvent]:
-        """Run one generation on a StreamGenerate call of its own and yield its events as they arrive.
+        """Run one generation on a GenerateStream call of its own and yield its events as they
+        arrive: queued, started, chunks, then Completed, or Failed with the call's error.
 
-        Leaving the loop early cancels the call, which stops the generation on the server. With
-        retries on, a generation refused before admission is sent again (see client.retry).
+        One call per generation, so a balancer (fleet mode, an L7 proxy) places each one on its
+        own. Leaving the loop early cancels the call, which stops the generation on the server.
+        With retries on, a generation refused before it was queued is sent again by gRPC's retry
+        policy, unseen; one that was queued is never sent again.
         """
-        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        # Sent again, the generation carries the first attempt's key: should the first have been
-        # admitted after all, the second joins it instead of running twice.
-        if self._retry is not None and not idempotency_key:
+        request_id = request_id or messages.new_request_id()
+        # With retries on, the request carries an idempotency key, so a retry the channel sends
+        # (the same message) joins the first attempt's generation instead of starting another.
+        if self._retries and not idempotency_key:
             idempotency_key = messages.new_idempotency_key()
-        loop = asyncio.get_running_loop()
-        give_up = None if deadline is None else loop.time() + deadline
-        attempts = 0
-        while True:
-            attempts += 1
-            remaining = None if give_up is None else max(0.0, give_up - loop.time())
-            first: StreamEvent | None = None
-            delay: float | None = None
-            async with self.open_stream(deadline=remaining) as stream:
-                await stream.submit(request_id, prompt, options, idempotency_key=idempotency_key)
-                await stream.close_requests()
-                async for event in stream.events():
-                    if first is None:
-                        first = event
-                        delay = None if self._retry is None else self._retry.delay(event, attempts)
-                        if delay is not None and (give_up is None or loop.time() + delay < give_up):
-                            break
-                        delay = None
-                    yield event
-            if delay is None:
-                return
-            await asyncio.sleep(delay)
+        request = messages.generate_request(prompt, options, request_id, idempotency_key)
+        call = self._stub.GenerateStream(request, timeout=deadline, metadata=self._metadata)
+        try:
+            async for message in call:
+                yield messages.stream_event(message)
+        except grpc.RpcError as error:
+            yield Failed(request_id, TokenwireError.from_rpc_error(error))
+        finally:
+            call.cancel()  # a no-op once the call has ended; otherwise it stops the generation
 
     def open_stream(self, *, deadline: float | None = None) -> MultiplexedStream:
         """Open one StreamGenerate call that carries many generations (use `async with`)."""

@@ -37,6 +37,11 @@ _FINISH = {
 }
 
 
+def new_request_id() -> str:
+    """A label for a generation's events; it makes nothing idempotent."""
+    return f"req-{uuid.uuid4().hex[:16]}"
+
+
 def new_idempotency_key() -> str:
     """A key for one logical request, sent again only with its retries."""
     return f"key-{uuid.uuid4().hex}"

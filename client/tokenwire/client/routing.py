@@ -19,9 +19,9 @@ config alone (`loadBalancingConfig`, `healthCheckConfig`), with no environment v
 channel option beyond `grpc.service_config` (health checks stay off only under
 `grpc.inhibit_health_checking`, which the client never sets).
 
-Every generation is one call in fleet mode (`generate`, or `stream` without `open_stream`), so
-each one is placed by the balancer. A stream from `open_stream` stays on the replica it opened
-on for as long as it lives.
+Every generation is one call in fleet mode (`generate` on Generate, or `stream` on
+GenerateStream), so each one is placed by the balancer. A stream from `open_stream` stays on the
+replica it opened on for as long as it lives.
 """
 
 from __future__ import annotations

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import queue
-import time
-import uuid
 from collections.abc import Iterator
 from types import TracebackType
 
@@ -14,9 +12,8 @@ from tokenwire.client import messages
 from tokenwire.client.channel import Tls, auth_metadata, sync_channel
 from tokenwire.client.errors import TokenwireError
 from tokenwire.client.messages import Prompt
-from tokenwire.client.retry import inference_retry_policy
 from tokenwire.client.routing import Routing
-from tokenwire.client.types import GenerateOptions, Generation, ModelDescription, StreamEvent
+from tokenwire.client.types import Failed, GenerateOptions, Generation, ModelDescription, StreamEvent
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
@@ -38,7 +35,7 @@ class Client:
     ) -> None:
         self.target = target
         self._channel = sync_channel(target, tls, retries=retries, routing=routing)
-        self._retry = inference_retry_policy() if retries else None
+        self._retries = retries
         self._stub = pb_grpc.InferenceServiceStub(self._channel)
         self._metadata = auth_metadata(token)
 
@@ -62,10 +59,9 @@ class Client:
         idempotency_key: str = "",
         deadline: float | None = None,
     ) -> Generation:
-        # With retries on, every Generate carries an idempotency key, so a retry the channel sends
-        # (the same message) joins the first attempt's generation on the server instead of starting
-        # another. The request_id is only a label and makes nothing idempotent.
-        if self._retry is not None and not idempotency_key:
+        # With retries on, the request carries an idempotency key, so a retry the channel sends
+        # (the same message) joins the first attempt's generation instead of starting another.
+        if self._retries and not idempotency_key:
             idempotency_key = messages.new_idempotency_key()
         request = messages.generate_request(prompt, options, request_id, idempotency_key)
         try:
@@ -83,37 +79,23 @@ class Client:
         idempotency_key: str = "",
         deadline: float | None = None,
     ) -> Iterator[StreamEvent]:
-        """Yield one generation's events, from a StreamGenerate call of its own; closing the iterator
-        early cancels it on the server. A generation refused before admission is sent again."""
-        request_id = request_id or f"req-{uuid.uuid4().hex[:12]}"
-        # Sent again, the generation carries the first attempt's key: should the first have been
-        # admitted after all, the second joins it instead of running twice.
-        if self._retry is not None and not idempotency_key:
+        """Yield one generation's events from a GenerateStream call of its own, ending with
+        Completed or Failed; closing the iterator early cancels the call on the server. A
+        generation refused before it was queued is sent again by gRPC's retry policy."""
+        request_id = request_id or messages.new_request_id()
+        # With retries on, the request carries an idempotency key, so a retry the channel sends
+        # (the same message) joins the first attempt's generation instead of starting another.
+        if self._retries and not idempotency_key:
             idempotency_key = messages.new_idempotency_key()
-        give_up = None if deadline is None else time.monotonic() + deadline
-        attempts = 0
-        while True:
-            attempts += 1
-            remaining = None if give_up is None else max(0.0, give_up - time.monotonic())
-            first: StreamEvent | None = None
-            delay: float | None = None
-            stream = self.open_stream(deadline=remaining)
-            try:
-                stream.submit(request_id, prompt, options, idempotency_key=idempotency_key)
-                stream.close_requests()
-                for event in stream.events():
-                    if first is None:
-                        first = event
-                        delay = None if self._retry is None else self._retry.delay(event, attempts)
-                        if delay is not None and (give_up is None or time.monotonic() + delay < give_up):
-                            break
-                        delay = None
-                    yield event
-            finally:
-                stream.cancel_all()
-            if delay is None:
-                return
-            time.sleep(delay)
+        request = messages.generate_request(prompt, options, request_id, idempotency_key)
+        call = self._stub.GenerateStream(request, timeout=deadline, metadata=self._metadata)
+        try:
+            for message in call:
+                yield messages.stream_event(message)
+        except grpc.RpcError as error:
+            yield Failed(request_id, TokenwireError.from_rpc_error(error))
+        finally:
+            call.cancel()
 
     def open_stream(self, *, deadline: float | None = None) -> SyncStream:
         return SyncStream(self._stub, self._metadata, deadline)

@@ -106,8 +106,8 @@ class GenerateRequest(_message.Message):
     request_id: _builtins.str
     """Client-chosen identifier: at most 128 characters, each printable ASCII other than space
     ("!" to "~"); anything else is INVALID_ARGUMENT. Required in StreamGenerate, where it must be
-    unique among the stream's live requests; optional in Generate, where the server assigns one
-    when it is empty. Echoed in every response.
+    unique among the stream's live requests; optional in Generate and GenerateStream, where the
+    server assigns one when it is empty. Echoed in every response.
 
     The id is a handle only: it labels a stream's events and names the generation a
     CancelRequest stops. It never makes a request idempotent: a request with an id used before
@@ -646,14 +646,14 @@ class GenerateResponse(_message.Message):
     model: _builtins.str
     """The model that generated the text."""
     text: _builtins.str
-    """The generated text, without stop strings or end-of-sequence markup. In a StreamGenerate
+    """The generated text, without stop strings or end-of-sequence markup. In a streamed
     `completed` event it is left empty: the chunks carried it.
     """
     finish_reason: Global___FinishReason.ValueType
     """Why the generation ended."""
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
-        """The generated token ids, in order. Empty in a StreamGenerate `completed` event."""
+        """The generated token ids, in order. Empty in a streamed `completed` event."""
 
     @_builtins.property
     def usage(self) -> Global___Usage:
@@ -665,7 +665,7 @@ class GenerateResponse(_message.Message):
 
     @_builtins.property
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
-        """One entry per generated token when the request asked for logprobs. Empty in a StreamGenerate
+        """One entry per generated token when the request asked for logprobs. Empty in a streamed
         `completed` event.
         """
 

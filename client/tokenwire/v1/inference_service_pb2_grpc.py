@@ -61,6 +61,11 @@ class InferenceServiceStub:
                 request_serializer=tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateRequest.SerializeToString,
                 response_deserializer=tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateResponse.FromString,
                 _registered_method=True)
+        self.GenerateStream = channel.unary_stream(
+                '/tokenwire.v1.InferenceService/GenerateStream',
+                request_serializer=tokenwire_dot_v1_dot_inference__service__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateResponse.FromString,
+                _registered_method=True)
         self.ListModels = channel.unary_unary(
                 '/tokenwire.v1.InferenceService/ListModels',
                 request_serializer=tokenwire_dot_v1_dot_inference__service__pb2.ListModelsRequest.SerializeToString,
@@ -92,6 +97,8 @@ class InferenceServiceServicer:
         """Generate runs one generation and returns the finished completion.
         The request_id is optional here: the server assigns one when it is empty. Set
         GenerateRequest.idempotency_key to make retries safe.
+        GenerateStream takes the same request on purpose:
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -120,6 +127,33 @@ class InferenceServiceServicer:
         every live generation of the call is stopped, freeing its slot, with an `error` event
         RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
         same way until the client reads again. The call itself stays open.
+        GenerateStream sends the same events on purpose:
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GenerateStream(self, request, context):
+        """GenerateStream runs one generation and streams its events as they happen: one request, one
+        call, so any HTTP/2-aware proxy or balancer places each generation on its own, which it
+        cannot do for the generations multiplexed on one StreamGenerate call.
+
+        The request is a Generate request (request_id optional: the server assigns one when it is
+        empty), idempotent for its caller exactly as it is on Generate. Every response carries
+        the request_id, and the events come in StreamGenerate's order: queued, started, zero or more
+        chunks, then completed, after which the call ends with OK.
+        A failure never comes as an `error` event here: the call ends with the status, message and
+        details Generate would return (a refusal before `queued`, or a failure after it, such as
+        DEADLINE_EXCEEDED mid-generation), so proxies, gRPC retry policies and every gRPC client see
+        a failed call. Cancelling the call, disconnecting or passing its deadline (or
+        GenerateRequest.timeout) stops the generation within one decode step. A client that leaves
+        more than `--max-unsent-bytes-per-stream` of responses unread has the generation stopped,
+        and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+        Generate's request and StreamGenerate's events, on purpose: one conversion each way for all three.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -143,6 +177,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
             'StreamGenerate': grpc.stream_stream_rpc_method_handler(
                     servicer.StreamGenerate,
                     request_deserializer=tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateResponse.SerializeToString,
+            ),
+            'GenerateStream': grpc.unary_stream_rpc_method_handler(
+                    servicer.GenerateStream,
+                    request_deserializer=tokenwire_dot_v1_dot_inference__service__pb2.GenerateRequest.FromString,
                     response_serializer=tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateResponse.SerializeToString,
             ),
             'ListModels': grpc.unary_unary_rpc_method_handler(
@@ -221,6 +260,33 @@ class InferenceService:
             target,
             '/tokenwire.v1.InferenceService/StreamGenerate',
             tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateRequest.SerializeToString,
+            tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GenerateStream(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tokenwire.v1.InferenceService/GenerateStream',
+            tokenwire_dot_v1_dot_inference__service__pb2.GenerateRequest.SerializeToString,
             tokenwire_dot_v1_dot_inference__service__pb2.StreamGenerateResponse.FromString,
             options,
             channel_credentials,

@@ -54,6 +54,8 @@ class InferenceServiceStub:
     """Generate runs one generation and returns the finished completion.
     The request_id is optional here: the server assigns one when it is empty. Set
     GenerateRequest.idempotency_key to make retries safe.
+    GenerateStream takes the same request on purpose:
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     StreamGenerate: _grpc.StreamStreamMultiCallable[_inference_service_pb2.StreamGenerateRequest, _inference_service_pb2.StreamGenerateResponse]
     """StreamGenerate multiplexes many generations on one bidirectional stream.
@@ -78,6 +80,29 @@ class InferenceServiceStub:
     every live generation of the call is stopped, freeing its slot, with an `error` event
     RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
     same way until the client reads again. The call itself stays open.
+    GenerateStream sends the same events on purpose:
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    GenerateStream: _grpc.UnaryStreamMultiCallable[_inference_service_pb2.GenerateRequest, _inference_service_pb2.StreamGenerateResponse]
+    """GenerateStream runs one generation and streams its events as they happen: one request, one
+    call, so any HTTP/2-aware proxy or balancer places each generation on its own, which it
+    cannot do for the generations multiplexed on one StreamGenerate call.
+
+    The request is a Generate request (request_id optional: the server assigns one when it is
+    empty), idempotent for its caller exactly as it is on Generate. Every response carries
+    the request_id, and the events come in StreamGenerate's order: queued, started, zero or more
+    chunks, then completed, after which the call ends with OK.
+    A failure never comes as an `error` event here: the call ends with the status, message and
+    details Generate would return (a refusal before `queued`, or a failure after it, such as
+    DEADLINE_EXCEEDED mid-generation), so proxies, gRPC retry policies and every gRPC client see
+    a failed call. Cancelling the call, disconnecting or passing its deadline (or
+    GenerateRequest.timeout) stops the generation within one decode step. A client that leaves
+    more than `--max-unsent-bytes-per-stream` of responses unread has the generation stopped,
+    and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+    Generate's request and StreamGenerate's events, on purpose: one conversion each way for all three.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+    buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]
     """ListModels lists the served models and their limits."""
@@ -108,6 +133,8 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """Generate runs one generation and returns the finished completion.
     The request_id is optional here: the server assigns one when it is empty. Set
     GenerateRequest.idempotency_key to make retries safe.
+    GenerateStream takes the same request on purpose:
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
     """
     StreamGenerate: _aio.StreamStreamMultiCallable[_inference_service_pb2.StreamGenerateRequest, _inference_service_pb2.StreamGenerateResponse]  # type: ignore[assignment]
     """StreamGenerate multiplexes many generations on one bidirectional stream.
@@ -132,6 +159,29 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     every live generation of the call is stopped, freeing its slot, with an `error` event
     RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
     same way until the client reads again. The call itself stays open.
+    GenerateStream sends the same events on purpose:
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    """
+    GenerateStream: _aio.UnaryStreamMultiCallable[_inference_service_pb2.GenerateRequest, _inference_service_pb2.StreamGenerateResponse]  # type: ignore[assignment]
+    """GenerateStream runs one generation and streams its events as they happen: one request, one
+    call, so any HTTP/2-aware proxy or balancer places each generation on its own, which it
+    cannot do for the generations multiplexed on one StreamGenerate call.
+
+    The request is a Generate request (request_id optional: the server assigns one when it is
+    empty), idempotent for its caller exactly as it is on Generate. Every response carries
+    the request_id, and the events come in StreamGenerate's order: queued, started, zero or more
+    chunks, then completed, after which the call ends with OK.
+    A failure never comes as an `error` event here: the call ends with the status, message and
+    details Generate would return (a refusal before `queued`, or a failure after it, such as
+    DEADLINE_EXCEEDED mid-generation), so proxies, gRPC retry policies and every gRPC client see
+    a failed call. Cancelling the call, disconnecting or passing its deadline (or
+    GenerateRequest.timeout) stops the generation within one decode step. A client that leaves
+    more than `--max-unsent-bytes-per-stream` of responses unread has the generation stopped,
+    and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+    Generate's request and StreamGenerate's events, on purpose: one conversion each way for all three.
+    buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+    buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+    buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]  # type: ignore[assignment]
     """ListModels lists the served models and their limits."""
@@ -165,6 +215,8 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         """Generate runs one generation and returns the finished completion.
         The request_id is optional here: the server assigns one when it is empty. Set
         GenerateRequest.idempotency_key to make retries safe.
+        GenerateStream takes the same request on purpose:
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
         """
 
     @_abc_1.abstractmethod
@@ -195,6 +247,35 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         every live generation of the call is stopped, freeing its slot, with an `error` event
         RESOURCE_EXHAUSTED, reason STREAM_OUTPUT_UNREAD; new generations on the call are refused the
         same way until the client reads again. The call itself stays open.
+        GenerateStream sends the same events on purpose:
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        """
+
+    @_abc_1.abstractmethod
+    def GenerateStream(
+        self,
+        request: _inference_service_pb2.GenerateRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_inference_service_pb2.StreamGenerateResponse], _abc.AsyncIterator[_inference_service_pb2.StreamGenerateResponse]]:
+        """GenerateStream runs one generation and streams its events as they happen: one request, one
+        call, so any HTTP/2-aware proxy or balancer places each generation on its own, which it
+        cannot do for the generations multiplexed on one StreamGenerate call.
+
+        The request is a Generate request (request_id optional: the server assigns one when it is
+        empty), idempotent for its caller exactly as it is on Generate. Every response carries
+        the request_id, and the events come in StreamGenerate's order: queued, started, zero or more
+        chunks, then completed, after which the call ends with OK.
+        A failure never comes as an `error` event here: the call ends with the status, message and
+        details Generate would return (a refusal before `queued`, or a failure after it, such as
+        DEADLINE_EXCEEDED mid-generation), so proxies, gRPC retry policies and every gRPC client see
+        a failed call. Cancelling the call, disconnecting or passing its deadline (or
+        GenerateRequest.timeout) stops the generation within one decode step. A client that leaves
+        more than `--max-unsent-bytes-per-stream` of responses unread has the generation stopped,
+        and the call ends with RESOURCE_EXHAUSTED, reason STREAM_BACKLOG.
+        Generate's request and StreamGenerate's events, on purpose: one conversion each way for all three.
+        buf:lint:ignore RPC_REQUEST_RESPONSE_UNIQUE
+        buf:lint:ignore RPC_REQUEST_STANDARD_NAME
+        buf:lint:ignore RPC_RESPONSE_STANDARD_NAME
         """
 
     @_abc_1.abstractmethod

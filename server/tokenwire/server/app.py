@@ -44,7 +44,9 @@ from tokenwire.server.telemetry.exporters import MetricsTls, Telemetry
 
 log = logging.getLogger(__name__)
 
-LOAD_REPORTED_METHODS = frozenset({f"/{SERVICE_NAME}/Generate", f"/{SERVICE_NAME}/StreamGenerate"})
+LOAD_REPORTED_METHODS = frozenset(
+    f"/{SERVICE_NAME}/{method}" for method in ("Generate", "StreamGenerate", "GenerateStream")
+)
 
 ModelWrapper = Callable[[LoadedModel], LoadedModel]
 """Hook applied to each loaded model before serving it (tests use it to inject faults)."""
@@ -265,9 +267,17 @@ class TokenwireServer:
 
 
 def server_options(settings: ServerSettings) -> list[tuple[str, int]]:
-    """gRPC core options: message size, streams per connection, keepalive enforcement."""
+    """gRPC core options: message size, streams per connection, keepalive enforcement, and the
+    maximum connection age."""
     keepalive = settings.keepalive
+    age: list[tuple[str, int]] = []
+    if settings.max_connection_age > 0:
+        age = [
+            ("grpc.max_connection_age_ms", _milliseconds(settings.max_connection_age)),
+            ("grpc.max_connection_age_grace_ms", _milliseconds(settings.max_connection_age_grace)),
+        ]
     return [
+        *age,
         ("grpc.max_receive_message_length", settings.max_receive_message_bytes),
         ("grpc.so_reuseport", 0),
         ("grpc.max_concurrent_streams", settings.max_concurrent_streams),

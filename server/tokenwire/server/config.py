@@ -182,6 +182,21 @@ class ServerSettings:
         group=NETWORK,
         minimum=1,
     )
+    max_connection_age: float = setting(
+        300.0,
+        "seconds after which the server asks a client connection to go (HTTP/2 GOAWAY, gRFC A9; gRPC "
+        "adds up to 10% jitter): its calls finish, and the client's next call opens a new connection, "
+        "which a DNS name or an L4 balancer may send to a new replica (0: connections never age)",
+        group=NETWORK,
+        minimum=0,
+    )
+    max_connection_age_grace: float = setting(
+        3600.0,
+        "seconds the calls of an aged connection get to finish before it is closed under them; longer "
+        "than the longest generation (--max-new-tokens-cap tokens at 0.5 s a step is 34 minutes)",
+        group=NETWORK,
+        minimum=0,
+    )
     stream: StreamLimits = settings_group(StreamLimits, group=NETWORK)
     keepalive: KeepaliveSettings = settings_group(KeepaliveSettings, group=NETWORK, prefix="keepalive_")
     reflection: bool = setting(

@@ -17,7 +17,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from tests.conftest import tiny_settings
 from tests.support.prometheus import scrape
 from tests.support.servers import serving
-from tokenwire.client import AsyncClient, GenerateOptions, Stopping, TokenwireError
+from tokenwire.client import AsyncClient, Failed, GenerateOptions, Stopping, TokenwireError
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.cli import main
 from tokenwire.server.config import AuthSettings, TelemetrySettings
@@ -52,8 +52,9 @@ async def first_failure(server: TokenwireServer, token: str | None, call: str) -
             if call == "generate":
                 await client.generate("Hi", SHORT)
             elif call == "stream":
-                async for _ in client.stream("Hi", SHORT):
-                    pass
+                async for event in client.stream("Hi", SHORT):
+                    if isinstance(event, Failed):  # the call's error ends the generation's events
+                        raise event.error
             else:
                 await client.list_models()
 

@@ -28,6 +28,11 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
             request_deserializer=tolerant(pb.StreamGenerateRequest.FromString, "StreamGenerateRequest"),
             response_serializer=pb.StreamGenerateResponse.SerializeToString,
         ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream,
+            request_deserializer=tolerant(pb.GenerateRequest.FromString, "GenerateRequest"),
+            response_serializer=pb.StreamGenerateResponse.SerializeToString,
+        ),
         "ListModels": grpc.unary_unary_rpc_method_handler(
             servicer.ListModels,
             request_deserializer=tolerant(pb.ListModelsRequest.FromString, "ListModelsRequest"),

@@ -7,8 +7,8 @@ grpc Python has no ORCA server API of its own):
   away and then once per interval the client asks for, never more often than the server's
   minimum. A `weighted_round_robin` client with `enableOobLoadReport` opens one such stream per
   replica and weighs it by the latest report.
-- Per call: the `endpoint-load-metrics-bin` trailer of every successful Generate and
-  StreamGenerate, for clients that take weights from their own calls' trailers instead.
+- Per call: the `endpoint-load-metrics-bin` trailer of every successful Generate, GenerateStream
+  and StreamGenerate, for clients that take weights from their own calls' trailers instead.
 
 The report: `application_utilization` is the engines' occupancy, (running + queued) / slots;
 `rps_fractional` is requests finished per second; `named_metrics` carries `queue_depth`,
@@ -117,6 +117,12 @@ class LoadReportTrailers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         if handler.unary_unary is not None:
             return grpc.unary_unary_rpc_method_handler(
                 self._unary(handler.unary_unary),
+                request_deserializer=handler.request_deserializer,
+                response_serializer=handler.response_serializer,
+            )
+        if handler.unary_stream is not None:
+            return grpc.unary_stream_rpc_method_handler(
+                self._streaming(handler.unary_stream),
                 request_deserializer=handler.request_deserializer,
                 response_serializer=handler.response_serializer,
             )

@@ -12,6 +12,7 @@ import grpc
 from tokenwire.server.api import convert, errors
 from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.api.generation_stream import GenerationStream
 from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.api.stream import StreamCaps, StreamSession
@@ -90,13 +91,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             event = await outcome
         except asyncio.CancelledError:
             # The call ended under us: the client cancelled, disconnected or its deadline passed.
-            remaining = context.time_remaining()
-            reason = (
-                AbortReason.DEADLINE
-                if remaining is not None and remaining <= DEADLINE_CLOCK_SLACK
-                else AbortReason.DISCONNECTED
-            )
-            admitted.stop(reason)
+            admitted.stop(_gone_reason(context))
             raise
         if isinstance(event, Failed):
             await errors.abort(context, event.error)
@@ -126,6 +121,23 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         except GenerationError as error:  # the client left too much unread: the call ends
             await errors.abort(context, error)
 
+    async def GenerateStream(  # noqa: N802
+        self, request: pb.GenerateRequest, context: Context
+    ) -> AsyncIterator[pb.StreamGenerateResponse]:
+        received = self._clock()
+        generation = GenerationStream(self._admission, self._caps.unsent_bytes)
+        try:
+            async for message in generation.run(
+                request,
+                metadata=context.invocation_metadata(),
+                received=received,
+                call_deadline=_call_deadline(context, received),
+                gone_reason=lambda: _gone_reason(context),
+            ):
+                yield message
+        except GenerationError as error:
+            await errors.abort(context, error)
+
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:  # noqa: N802
         if isinstance(request, UndecodableRequest):
             await errors.abort(context, request.error())
@@ -143,3 +155,11 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
 def _call_deadline(context: Context, received: float) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else received + remaining
+
+
+def _gone_reason(context: Context) -> AbortReason:
+    """Why a call ended before its generation did: its deadline passed, or its client went away."""
+    remaining = context.time_remaining()
+    # gRPC's deadline timer may cancel the call while time_remaining() still reads a few ms.
+    deadline_passed = remaining is not None and remaining <= DEADLINE_CLOCK_SLACK
+    return AbortReason.DEADLINE if deadline_passed else AbortReason.DISCONNECTED
