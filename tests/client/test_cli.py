@@ -12,6 +12,7 @@ from pathlib import Path
 import jsonschema
 import pytest
 
+from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.cli import main
 
@@ -107,6 +108,51 @@ async def test_generate_shapes_the_output_with_json_schema_regex_or_choice(
     assert code == 1 and "response_format.regex" in err
     code, _, err = await run_cli(capsys, *common, "--json-schema", str(tmp_path / "missing.json"), "Answer:")
     assert code == 2 and "--json-schema" in err
+
+
+async def test_generate_passes_logit_bias_and_penalties(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = ("generate", "--server", f"127.0.0.1:{server.port}", "--raw", "--max-new-tokens", "5")
+    flags = ("--temperature", "0.7", "--seed", "9", "--ignore-eos", "--presence-penalty", "0.5")
+    code, out, _ = await run_cli(
+        capsys, *common, *flags, "--frequency-penalty", "1", "--logit-bias", "41=-100", "Once upon"
+    )
+    assert code == 0
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
+        reference = await client.generate(
+            "Once upon",
+            GenerateOptions(
+                sampling=Sampling(
+                    temperature=0.7,
+                    seed=9,
+                    presence_penalty=0.5,
+                    frequency_penalty=1.0,
+                    logit_bias={41: -100.0},
+                ),
+                stopping=Stopping(max_new_tokens=5, ignore_eos=True),
+            ),
+        )
+        forced = await client.generate(
+            "Once upon",
+            GenerateOptions(
+                sampling=Sampling(temperature=0.0, logit_bias={40: 100.0, 41: -5.0}),
+                stopping=Stopping(max_new_tokens=5),
+            ),
+        )
+    assert out == reference.text + "\n"
+    assert forced.token_ids == (40,) * 5
+    code, out, _ = await run_cli(
+        capsys, *common, "--temperature", "0", "--logit-bias", "40=100", "--logit-bias", "41=-5", "Once upon"
+    )
+    assert code == 0 and out == forced.text + "\n"
+    code, _, err = await run_cli(capsys, *common, "--frequency-penalty", "5", "--logit-bias", "9999=1", "x")
+    assert code == 1
+    assert "sampling.frequency_penalty" in err and "sampling.logit_bias[9999]" in err
+    with pytest.raises(SystemExit) as exited:
+        await run_cli(capsys, *common, "--logit-bias", "40:100", "x")
+    assert exited.value.code == 2
+    assert "expected TOKEN_ID=BIAS" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(("flags", "chat"), [((), True), (("--chat",), True), (("--raw",), False)])

@@ -220,3 +220,66 @@ async def test_buf_curl_asks_for_json_that_validates_against_a_schema(server: To
     response = json.loads(out)
     assert response["finishReason"] == "FINISH_REASON_EOS"
     jsonschema.validate(json.loads(response["text"]), schema)
+
+
+async def test_buf_curl_sends_logit_bias_and_penalties_as_the_python_client_does(
+    server: TokenwireServer,
+) -> None:
+    # In JSON a map's keys are strings: {"40": 100} is OpenAI's own spelling of a logit bias.
+    body = {
+        "prompt": "The capital of France is",
+        "sampling": {
+            "temperature": 0.8,
+            "seed": "3",
+            "logitBias": {"40": 100, "41": -100},
+            "presencePenalty": 0.5,
+            "frequencyPenalty": 1.5,
+        },
+        "stopping": {"maxNewTokens": 6, "ignoreEos": True},
+    }
+    code, out, err = await buf_curl(
+        server.port, "-d", json.dumps(body), f"http://127.0.0.1:{server.port}/{SERVICE}/Generate"
+    )
+    assert code == 0, err
+    response = json.loads(out)
+    assert response["tokenIds"] == [40] * 6
+    unforced = {**body, "sampling": {**body["sampling"], "logitBias": {"41": -100}}}
+    code, out, err = await buf_curl(
+        server.port, "-d", json.dumps(unforced), f"http://127.0.0.1:{server.port}/{SERVICE}/Generate"
+    )
+    assert code == 0, err
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
+        reference = await client.generate(
+            "The capital of France is",
+            GenerateOptions(
+                sampling=Sampling(
+                    temperature=0.8,
+                    seed=3,
+                    logit_bias={41: -100.0},
+                    presence_penalty=0.5,
+                    frequency_penalty=1.5,
+                ),
+                stopping=Stopping(max_new_tokens=6, ignore_eos=True),
+            ),
+        )
+    assert json.loads(out)["tokenIds"] == list(reference.token_ids)
+    assert 41 not in reference.token_ids
+
+
+async def test_buf_curl_reads_which_bias_or_penalty_was_refused(server: TokenwireServer) -> None:
+    body = {"prompt": "Hi", "sampling": {"logitBias": {"50000": 1, "7": 250}, "presencePenalty": 3}}
+    code, _, err = await buf_curl(
+        server.port, "-d", json.dumps(body), f"http://127.0.0.1:{server.port}/{SERVICE}/Generate"
+    )
+    assert code != 0
+    error = json.loads(err)
+    assert error["code"] == "invalid_argument"
+    (detail,) = error["details"]
+    value = base64.b64decode(detail["value"] + "=" * (-len(detail["value"]) % 4))
+    _, readable = await asyncio.to_thread(decode_with_reflection, server.port, detail["type"], value)
+    assert [v["field"] for v in readable["fieldViolations"]] == [
+        "sampling.presence_penalty",
+        "sampling.logit_bias[7]",
+        "sampling.logit_bias[50000]",
+    ]
+    assert "sampling.logit_bias[50000]" in error["message"]

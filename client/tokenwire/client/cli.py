@@ -60,6 +60,27 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
     generate.add_argument("--min-p", type=float, default=0.0, help="in [0, 1]")
     generate.add_argument("--repetition-penalty", type=float, help="> 0; 1 disables")
     generate.add_argument("--seed", type=int, help="seed for reproducible sampling")
+    generate.add_argument(
+        "--logit-bias",
+        action="append",
+        default=[],
+        type=_token_bias,
+        metavar="TOKEN_ID=BIAS",
+        help="add BIAS, in [-100, 100], to the logit of token TOKEN_ID: 100 forces it, -100 bans it"
+        " (repeatable)",
+    )
+    generate.add_argument(
+        "--presence-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]; subtracted once from each token already generated (default 0)",
+    )
+    generate.add_argument(
+        "--frequency-penalty",
+        type=float,
+        default=0.0,
+        help="in [-2, 2]; subtracted from each generated token once per time it was generated (default 0)",
+    )
     generate.add_argument("--max-new-tokens", type=int, help="default: the server's default")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
@@ -116,6 +137,9 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
             min_p=args.min_p,
             repetition_penalty=args.repetition_penalty,
             seed=args.seed,
+            logit_bias=dict(args.logit_bias),
+            presence_penalty=args.presence_penalty,
+            frequency_penalty=args.frequency_penalty,
         ),
         stopping=Stopping(
             max_new_tokens=args.max_new_tokens, stop=tuple(args.stop), ignore_eos=args.ignore_eos
@@ -123,6 +147,17 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
         timeout=args.timeout,
         response_format=_response_format(args),
     )
+
+
+def _token_bias(text: str) -> tuple[int, float]:
+    """TOKEN_ID=BIAS from the command line; the server checks the ranges."""
+    token, separator, bias = text.partition("=")
+    try:
+        if not separator:
+            raise ValueError
+        return int(token), float(bias)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: expected TOKEN_ID=BIAS, e.g. 198=-100") from None
 
 
 def _response_format(args: argparse.Namespace) -> ResponseFormat | None:

@@ -81,6 +81,10 @@ def generate_request(
         message.sampling.repetition_penalty = sampling.repetition_penalty
     if sampling.seed is not None:
         message.sampling.seed = sampling.seed
+    for token_id, bias in sampling.logit_bias.items():
+        message.sampling.logit_bias[token_id] = bias
+    message.sampling.presence_penalty = sampling.presence_penalty
+    message.sampling.frequency_penalty = sampling.frequency_penalty
     stopping = options.stopping
     if stopping.max_new_tokens is not None:
         message.stopping.max_new_tokens = stopping.max_new_tokens

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -38,6 +39,12 @@ class Sampling:
     min_p: float = 0.0
     repetition_penalty: float | None = None
     seed: int | None = None
+    logit_bias: Mapping[int, float] = field(default_factory=dict)
+    """Token id -> bias in [-100, 100] added to its logit: +100 forces it, -100 bans it."""
+    presence_penalty: float = 0.0
+    """In [-2, 2]: subtracted once from each token already generated (not the prompt)."""
+    frequency_penalty: float = 0.0
+    """In [-2, 2]: subtracted from each generated token once per time it was generated."""
 
 
 @dataclass(frozen=True)

@@ -350,10 +350,34 @@ Global___TokenIds: _TypeAlias = TokenIds  # noqa: Y015
 @_typing.final
 class SamplingParams(_message.Message):
     """SamplingParams controls how each next token is chosen from the model's distribution.
-    The transforms apply in this order: repetition penalty, temperature, top-k, top-p, min-p.
+    The transforms apply in this order: the response format's mask (GenerateRequest.response_format;
+    a token it disallows stays disallowed whatever its bias), logit_bias, presence and frequency
+    penalties (these two steps are OpenAI's, additive, on the model's logits), repetition penalty,
+    temperature, top-k, top-p, min-p. Log-probabilities (GenerateRequest.logprobs) report the
+    model's own distribution, before any of these.
     """
 
     DESCRIPTOR: _descriptor.Descriptor
+
+    @_typing.final
+    class LogitBiasEntry(_message.Message):
+        DESCRIPTOR: _descriptor.Descriptor
+
+        KEY_FIELD_NUMBER: _builtins.int
+        VALUE_FIELD_NUMBER: _builtins.int
+        key: _builtins.int
+        value: _builtins.float
+        def __init__(
+            self,
+            *,
+            key: _builtins.int = ...,
+            value: _builtins.float = ...,
+        ) -> None: ...
+        _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+        def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+        _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "value", b"value"]  # noqa: Y015
+        def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+        def WhichOneof(self, oneof_group: _Never) -> None: ...
 
     TEMPERATURE_FIELD_NUMBER: _builtins.int
     TOP_K_FIELD_NUMBER: _builtins.int
@@ -361,6 +385,9 @@ class SamplingParams(_message.Message):
     MIN_P_FIELD_NUMBER: _builtins.int
     REPETITION_PENALTY_FIELD_NUMBER: _builtins.int
     SEED_FIELD_NUMBER: _builtins.int
+    LOGIT_BIAS_FIELD_NUMBER: _builtins.int
+    PRESENCE_PENALTY_FIELD_NUMBER: _builtins.int
+    FREQUENCY_PENALTY_FIELD_NUMBER: _builtins.int
     temperature: _builtins.float
     """Softmax temperature, >= 0. 0 means greedy decoding (always the most likely token; the other
     sampling fields are then ignored). Unset: the model's configured default, or 0 when it has none.
@@ -383,6 +410,24 @@ class SamplingParams(_message.Message):
     """Seed of this request's own random generator. The same seed and parameters give the same tokens
     whatever else the server is running. Unset: a random seed.
     """
+    presence_penalty: _builtins.float
+    """Subtracted from the logit of every token already generated in this output (not the prompt),
+    once whatever its count, in [-2, 2]: positive values push toward new tokens, negative ones
+    toward repeats. Default 0 (disabled).
+    """
+    frequency_penalty: _builtins.float
+    """Subtracted from the logit of every token already generated in this output (not the prompt),
+    once per time it was generated, in [-2, 2]: positive values discourage repeating the same
+    tokens verbatim, negative ones encourage it. Default 0 (disabled).
+    """
+    @_builtins.property
+    def logit_bias(self) -> _containers.ScalarMap[_builtins.int, _builtins.float]:
+        """Token id -> bias added to that token's logit before sampling (greedy included), in
+        [-100, 100]: +100 all but forces the token, -100 all but bans it, values in between shift its
+        odds. At most 300 entries; each id must be in [0, the model's vocab_size) (ListModels).
+        INVALID_ARGUMENT naming "sampling.logit_bias[<id>]" for a bad entry. Default: empty (no bias).
+        """
+
     def __init__(
         self,
         *,
@@ -392,10 +437,13 @@ class SamplingParams(_message.Message):
         min_p: _builtins.float = ...,
         repetition_penalty: _builtins.float | None = ...,
         seed: _builtins.int | None = ...,
+        logit_bias: _abc.Mapping[_builtins.int, _builtins.float] | None = ...,
+        presence_penalty: _builtins.float = ...,
+        frequency_penalty: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_p", b"top_p"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "min_p", b"min_p", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_temperature", b"_temperature", "_top_p", b"_top_p", "frequency_penalty", b"frequency_penalty", "logit_bias", b"logit_bias", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__repetition_penalty: _TypeAlias = _typing.Literal["repetition_penalty"]  # noqa: Y015
     _WhichOneofArgType__repetition_penalty: _TypeAlias = _typing.Literal["_repetition_penalty", b"_repetition_penalty"]  # noqa: Y015

@@ -59,6 +59,18 @@ INVALID_REQUESTS: list[tuple[str, MessagesOrPrompt, GenerateOptions, list[str]]]
         ["sampling.repetition_penalty"],
     ),
     (
+        "logit bias outside the vocabulary",
+        "Hi",
+        GenerateOptions(sampling=Sampling(logit_bias={50000: -100.0})),
+        ["sampling.logit_bias[50000]"],
+    ),
+    (
+        "presence penalty above 2",
+        "Hi",
+        GenerateOptions(sampling=Sampling(presence_penalty=2.5)),
+        ["sampling.presence_penalty"],
+    ),
+    (
         "zero max_new_tokens",
         "Hi",
         GenerateOptions(stopping=Stopping(max_new_tokens=0)),

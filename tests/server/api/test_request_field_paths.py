@@ -40,3 +40,18 @@ def test_the_count_of_violations_left_out_survives_the_mapping() -> None:
 def test_errors_without_violations_pass_unchanged() -> None:
     full = GenerationError(ErrorKind.RESOURCE_EXHAUSTED, "queue full", retry_after=1.0, reason="QUEUE_FULL")
     assert request_error(full) is full
+
+
+def test_bias_and_penalty_fields_are_reported_under_sampling() -> None:
+    engine_error = GenerationError.invalid(
+        FieldViolation("logit_bias[50000]", "token id 50000 is outside [0, 49152)"),
+        FieldViolation("logit_bias", "301 entries, more than 300"),
+        FieldViolation("presence_penalty", "must be in [-2, 2], got 3.0"),
+        FieldViolation("frequency_penalty", "must be in [-2, 2], got -3.0"),
+    )
+    assert [v.field for v in request_error(engine_error).violations] == [
+        "sampling.logit_bias[50000]",
+        "sampling.logit_bias",
+        "sampling.presence_penalty",
+        "sampling.frequency_penalty",
+    ]

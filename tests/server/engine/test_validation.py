@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -86,3 +87,70 @@ def test_stream_requests_need_a_request_id(validator: RequestValidator) -> None:
     with pytest.raises(GenerationError) as raised:
         validator.validate(RequestSpec(prompt="x"), received_at=0, require_request_id=True)
     assert [v.field for v in raised.value.violations] == ["request_id"]
+
+
+def test_logit_bias_and_penalties_reach_the_sampling_params(validator: RequestValidator) -> None:
+    spec = RequestSpec(
+        prompt="x",
+        logit_bias=((300, -100.0), (7, 2.5), (0, 100.0), (9, 0.0)),
+        presence_penalty=-2.0,
+        frequency_penalty=1.25,
+    )
+    sampling = validator.validate(spec, received_at=0).sampling
+    # Ascending ids; a zero bias changes nothing and is left out.
+    assert sampling.logit_bias == ((0, 100.0), (7, 2.5), (300, -100.0))
+    assert (sampling.presence_penalty, sampling.frequency_penalty) == (-2.0, 1.25)
+    assert validator.validate(RequestSpec(prompt="x"), received_at=0).sampling.changes_logits is False
+
+
+BAD_SAMPLING_CONTROLS: list[tuple[str, RequestSpec, list[str]]] = [
+    (
+        "bias id at the vocabulary size",
+        RequestSpec(prompt="x", logit_bias=((512, 1.0),)),
+        ["logit_bias[512]"],
+    ),
+    ("negative bias id", RequestSpec(prompt="x", logit_bias=((-1, 1.0),)), ["logit_bias[-1]"]),
+    ("bias above 100", RequestSpec(prompt="x", logit_bias=((5, 100.5),)), ["logit_bias[5]"]),
+    ("bias below -100", RequestSpec(prompt="x", logit_bias=((5, -101.0),)), ["logit_bias[5]"]),
+    ("NaN bias", RequestSpec(prompt="x", logit_bias=((5, math.nan),)), ["logit_bias[5]"]),
+    ("infinite bias", RequestSpec(prompt="x", logit_bias=((5, -math.inf),)), ["logit_bias[5]"]),
+    ("bias id listed twice", RequestSpec(prompt="x", logit_bias=((5, 1.0), (5, 2.0))), ["logit_bias[5]"]),
+    (
+        "more than 300 biases",
+        RequestSpec(prompt="x", logit_bias=tuple((t, 1.0) for t in range(301))),
+        ["logit_bias"],
+    ),
+    ("presence penalty above 2", RequestSpec(prompt="x", presence_penalty=2.5), ["presence_penalty"]),
+    ("presence penalty NaN", RequestSpec(prompt="x", presence_penalty=math.nan), ["presence_penalty"]),
+    ("frequency penalty below -2", RequestSpec(prompt="x", frequency_penalty=-2.01), ["frequency_penalty"]),
+    (
+        "frequency penalty infinite",
+        RequestSpec(prompt="x", frequency_penalty=math.inf),
+        ["frequency_penalty"],
+    ),
+    (
+        "every bad entry at once, in id order",
+        RequestSpec(
+            prompt="x",
+            logit_bias=((900, 1.0), (3, 1.0), (4, 200.0), (-7, 0.0)),
+            presence_penalty=3.0,
+            frequency_penalty=-3.0,
+        ),
+        ["presence_penalty", "frequency_penalty", "logit_bias[-7]", "logit_bias[4]", "logit_bias[900]"],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    ("spec", "fields"),
+    [case[1:] for case in BAD_SAMPLING_CONTROLS],
+    ids=[case[0] for case in BAD_SAMPLING_CONTROLS],
+)
+def test_bad_bias_or_penalty_names_its_field(
+    validator: RequestValidator, spec: RequestSpec, fields: list[str]
+) -> None:
+    with pytest.raises(GenerationError) as raised:
+        validator.validate(spec, received_at=0)
+    assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
+    assert [v.field for v in raised.value.violations] == fields
+    assert all(v.description for v in raised.value.violations)

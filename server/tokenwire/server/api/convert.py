@@ -53,6 +53,9 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
         min_p=sampling.min_p,
         repetition_penalty=sampling.repetition_penalty if sampling.HasField("repetition_penalty") else None,
         seed=sampling.seed if sampling.HasField("seed") else None,
+        logit_bias=tuple(sorted(sampling.logit_bias.items())),
+        presence_penalty=sampling.presence_penalty,
+        frequency_penalty=sampling.frequency_penalty,
         max_new_tokens=stopping.max_new_tokens if stopping.HasField("max_new_tokens") else None,
         stop=tuple(stopping.stop),
         ignore_eos=stopping.ignore_eos,
@@ -89,7 +92,17 @@ def response_format(message: pb.ResponseFormat) -> ResponseFormat | None:
 _REQUEST_PATHS = {
     **{
         name: f"sampling.{name}"
-        for name in ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed")
+        for name in (
+            "temperature",
+            "top_k",
+            "top_p",
+            "min_p",
+            "repetition_penalty",
+            "seed",
+            "logit_bias",
+            "presence_penalty",
+            "frequency_penalty",
+        )
     },
     **{name: f"stopping.{name}" for name in ("max_new_tokens", "stop", "ignore_eos")},
     "token_ids": "token_ids.ids",

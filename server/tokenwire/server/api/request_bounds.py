@@ -47,6 +47,14 @@ def check_before_model(message: pb.GenerateRequest, limits: RequestLimits) -> No
                 )
                 if len(found) >= MAX_VIOLATIONS:
                     break
+    biases = message.sampling.logit_bias
+    if len(biases) > limits.max_logit_bias_entries:
+        found.append(
+            FieldViolation(
+                "sampling.logit_bias",
+                f"{len(biases)} entries, more than {limits.max_logit_bias_entries}",
+            )
+        )
     stops = message.stopping.stop
     if len(stops) > limits.max_stop_strings:
         found.append(

@@ -22,6 +22,9 @@ from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTurn
 from tokenwire.server.text.tokenizer import Tokenizer, TooManyTokensError
 
 MAX_TOP_LOGPROBS = 20
+MAX_LOGIT_BIAS = 100.0
+"""Largest bias, either way: as OpenAI's, enough to force a token (+100) or ban it (-100)."""
+MAX_PRESENCE_OR_FREQUENCY_PENALTY = 2.0
 PROMPT_CHARS_PER_TOKEN = 8
 """Characters per token of context that --max-prompt-chars allows by default: about twice what
 text that fills a context holds, so only prompts that cannot fit are refused untokenized."""
@@ -49,6 +52,8 @@ class RequestLimits:
     max_regex_chars: int = 4096
     max_choices: int = 256
     max_choice_chars: int = 1024
+    max_logit_bias_entries: int = 300
+    """Most tokens one request may bias (OpenAI's bound)."""
     control_tokens_in_messages: bool = setting(
         False,
         "read control-token markup such as <|im_start|> in chat message content as control tokens, as "
@@ -77,6 +82,10 @@ class RequestSpec:
     min_p: float = 0.0
     repetition_penalty: float | None = None
     seed: int | None = None
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs; ids must be unique."""
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     max_new_tokens: int | None = None
     stop: tuple[str, ...] = ()
     ignore_eos: bool = False
@@ -122,6 +131,7 @@ class RequestValidator:
         violations += self._check_request_id(spec.request_id, required=require_request_id)
         violations += self._check_input(spec)
         violations += _check_sampling(spec)
+        violations += self._check_logit_bias(spec)
         violations += self._check_stopping(spec)
         violations += _check_logprobs(spec)
         violations += self._check_response_format(spec)
@@ -145,6 +155,9 @@ class RequestValidator:
             min_p=spec.min_p,
             repetition_penalty=1.0 if spec.repetition_penalty is None else spec.repetition_penalty,
             seed=secrets.randbits(63) if spec.seed is None else spec.seed,
+            logit_bias=tuple(sorted((t, b) for t, b in spec.logit_bias if b != 0.0)),
+            presence_penalty=spec.presence_penalty,
+            frequency_penalty=spec.frequency_penalty,
         )
         return GenerationRequest(
             request_id=spec.request_id,
@@ -203,6 +216,29 @@ class RequestValidator:
             else:
                 if not isinstance(schema, dict | bool):
                     found.append(FieldViolation(field, "must be a JSON object (or true/false)"))
+        return found
+
+    def _check_logit_bias(self, spec: RequestSpec) -> list[FieldViolation]:
+        entries = spec.logit_bias
+        bound = self._limits.max_logit_bias_entries
+        if len(entries) > bound:
+            return [FieldViolation("logit_bias", f"{len(entries)} entries, more than {bound}")]
+        vocab = self._info.vocab_size
+        found: list[FieldViolation] = []
+        listed: set[int] = set()
+        for token_id, bias in sorted(entries, key=lambda entry: entry[0]):
+            field = f"logit_bias[{token_id}]"
+            if not 0 <= token_id < vocab:
+                found.append(FieldViolation(field, f"token id {token_id} is outside [0, {vocab})"))
+            elif token_id in listed:
+                found.append(FieldViolation(field, "token id listed more than once"))
+            elif not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+                found.append(
+                    FieldViolation(field, f"bias {bias} is outside [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}]")
+                )
+            listed.add(token_id)
+            if len(found) >= MAX_VIOLATIONS:
+                break
         return found
 
     def _check_request_id(self, request_id: str, *, required: bool) -> list[FieldViolation]:
@@ -371,6 +407,11 @@ def _check_sampling(spec: RequestSpec) -> list[FieldViolation]:
     penalty = spec.repetition_penalty
     if penalty is not None and not (math.isfinite(penalty) and penalty > 0):
         found.append(FieldViolation("repetition_penalty", "must be a finite number > 0"))
+    bound = MAX_PRESENCE_OR_FREQUENCY_PENALTY
+    penalties = (("presence_penalty", spec.presence_penalty), ("frequency_penalty", spec.frequency_penalty))
+    for name, value in penalties:
+        if not (math.isfinite(value) and -bound <= value <= bound):
+            found.append(FieldViolation(name, f"must be in [-{bound:g}, {bound:g}], got {value}"))
     return found
 
 

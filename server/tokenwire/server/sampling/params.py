@@ -16,6 +16,12 @@ class SamplingParams:
     min_p: float = 0.0
     repetition_penalty: float = 1.0
     seed: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias) pairs, ids ascending and unique: each bias is added to its token's logit."""
+    presence_penalty: float = 0.0
+    """Subtracted once from the logit of every token the sequence has generated."""
+    frequency_penalty: float = 0.0
+    """Subtracted from a generated token's logit once per time it was generated."""
 
     @property
     def is_greedy(self) -> bool:
@@ -23,7 +29,18 @@ class SamplingParams:
 
     @property
     def needs_history(self) -> bool:
+        """Whether the sampler needs the prompt's tokens (the repetition penalty counts them)."""
         return self.repetition_penalty != 1.0
+
+    @property
+    def counts_output(self) -> bool:
+        """Whether the sampler counts generated tokens (presence and frequency penalties)."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether any transform runs before the choice; without one, greedy is a plain argmax."""
+        return self.needs_history or self.counts_output or bool(self.logit_bias)
 
 
 class FormatKind(Enum):

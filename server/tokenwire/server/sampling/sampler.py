@@ -1,11 +1,24 @@
-"""Pick each sequence's next token from a batch of logits.
+"""Pick each sequence's next token from a batch of logits. Used by the engine thread only.
 
-Rows with a response format are masked first, all together, so only tokens that keep their
-output inside the format can be chosen; a batch without one pays nothing for it. Greedy rows are
-resolved together with one argmax over the batch. Sampled rows are handled
-one by one, each with its own random generator seeded from its request, so a sequence's tokens
-never depend on which other sequences share its batch. Top-k and top-p work on a partial sort
-(argpartition) of the few most likely candidates instead of sorting the whole vocabulary.
+Each row goes through these steps, in this order:
+
+1. the response format's mask (rows with a format, all together): a disallowed token's logit
+   drops to the lowest float, so nothing after this step can bring it back;
+2. logit_bias, added to the model's logits;
+3. presence and frequency penalties, subtracted from the logits of the tokens this sequence has
+   generated (never its prompt): presence once per token, frequency once per time it came out.
+   Steps 2 and 3 are OpenAI's: additive changes to the model's logits before anything else;
+4. repetition penalty (prompt and output tokens), on the logits steps 2 and 3 left;
+5. greedy argmax, or temperature, then top-k, top-p and min-p, then a seeded draw.
+
+Log-probabilities are not computed here: the engine keeps a copy of the model's own logits for
+rows that report them, so they describe the model's distribution, not these transforms.
+
+Greedy rows without any of steps 2-4 are resolved together with one argmax over the batch.
+The other rows are handled one by one, each with its own random generator seeded from its
+request, so a sequence's tokens never depend on which other sequences share its batch. Top-k and
+top-p work on a partial sort (argpartition) of the few most likely candidates instead of sorting
+the whole vocabulary.
 """
 
 from __future__ import annotations
@@ -23,6 +36,38 @@ from tokenwire.server.sampling.params import SamplingParams
 _TOP_P_CANDIDATES = 256
 
 
+class OutputCounts:
+    """How many times each token has been generated, kept as arrays the penalties index with."""
+
+    def __init__(self) -> None:
+        self._slots: dict[int, int] = {}
+        self._ids = np.empty(16, dtype=np.int64)
+        self._counts = np.empty(16, dtype=np.float32)
+
+    def add(self, token_id: int) -> None:
+        slot = self._slots.get(token_id)
+        if slot is not None:
+            self._counts[slot] += 1
+            return
+        slot = len(self._slots)
+        if slot == self._ids.shape[0]:
+            self._ids = np.concatenate([self._ids, np.empty_like(self._ids)])
+            self._counts = np.concatenate([self._counts, np.empty_like(self._counts)])
+        self._slots[token_id] = slot
+        self._ids[slot] = token_id
+        self._counts[slot] = 1
+
+    @property
+    def ids(self) -> np.ndarray:
+        """The distinct tokens generated so far, in order of first appearance."""
+        return self._ids[: len(self._slots)]
+
+    @property
+    def counts(self) -> np.ndarray:
+        """How often each of `ids` was generated (float32, ready for the logits' arithmetic)."""
+        return self._counts[: len(self._slots)]
+
+
 @dataclass
 class SequenceSampler:
     """Per-sequence sampling state: parameters, random generator and token history."""
@@ -34,26 +79,51 @@ class SequenceSampler:
     """The response format's matcher, when the request has one."""
     _rng: np.random.Generator = field(init=False)
     _seen: np.ndarray = field(init=False)
+    _generated: OutputCounts = field(init=False)
+    _bias_ids: np.ndarray = field(init=False)
+    _bias_values: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
         self._rng = np.random.Generator(np.random.PCG64(self.params.seed))
         self._seen = np.unique(np.asarray(self.history, dtype=np.int64))
+        self._generated = OutputCounts()
+        self._bias_ids = np.asarray([t for t, _ in self.params.logit_bias], dtype=np.int64)
+        self._bias_values = np.asarray([b for _, b in self.params.logit_bias], dtype=np.float32)
+
+    @property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing to change the logits first: its token is the row's argmax."""
+        return self.params.is_greedy and not self.params.changes_logits
 
     def observe(self, token_id: int) -> None:
-        """Record a generated token: for the repetition penalty and the response format."""
+        """Record a generated token: for the penalties and the response format."""
         if self.constraint is not None:
             self.constraint.advance(token_id)
+        if self.params.counts_output:
+            self._generated.add(token_id)
         if self.params.needs_history and not np.isin(token_id, self._seen):
             self._seen = np.union1d(self._seen, [token_id])
 
     def pick(self, logits: np.ndarray) -> int:
         """Choose a token from one row of logits ([vocab]); the row may be modified."""
+        self.adjust(logits)
+        if self.params.is_greedy:
+            return int(np.argmax(logits))
+        return _sample(logits, self.params, self._rng)
+
+    def adjust(self, logits: np.ndarray) -> None:
+        """Apply logit_bias, the presence and frequency penalties and the repetition penalty to one
+        row of logits ([vocab]), in place and in that order."""
         params = self.params
+        if self._bias_ids.size:
+            logits[self._bias_ids] += self._bias_values
+        if params.counts_output and self._generated.ids.size:
+            penalty = self._generated.counts * np.float32(params.frequency_penalty) + np.float32(
+                params.presence_penalty
+            )
+            logits[self._generated.ids] -= penalty
         if params.needs_history and self._seen.size:
             _apply_repetition_penalty(logits, self._seen, params.repetition_penalty)
-        if params.is_greedy:
-            return int(np.argmax(logits))
-        return _sample(logits, params, self._rng)
 
 
 def pick_tokens(
@@ -67,7 +137,7 @@ def pick_tokens(
         if masks is None:
             raise ValueError("a constrained row needs a MaskWorkspace")
         masks.apply(logits, constrained, [c for s in samplers if (c := s.constraint) is not None])
-    plain_greedy = [i for i, s in enumerate(samplers) if s.params.is_greedy and not s.params.needs_history]
+    plain_greedy = [i for i, s in enumerate(samplers) if s.is_plain_greedy]
     tokens = [0] * len(samplers)
     if plain_greedy:
         # Indexing with a list copies the rows; when every row is plain greedy there is no need.
