@@ -202,7 +202,7 @@ def main() -> None:
                     "level",
                     "decode ms B=1",
                     "decode ms B=8",
-                    "max |logit diff|",
+                    "max abs logit diff",
                     f"first greedy divergence ({AGREEMENT_TOKENS} tokens)",
                 ],
                 rows_out,
