@@ -13,6 +13,12 @@ call per cohort, never padded: a cohort stays aligned because all its rows grow 
 Between steps the cache stays where the model produced it (on the GPU under CUDA) because the
 outputs of one step are bound as the inputs of the next. Only a change of membership, a
 sequence joining after its prefill or leaving, brings the cache to the host to be re-padded.
+
+Several tokens can be appended to each row in one call (`decode_runs`, for verifying drafts):
+rows with fewer tokens than the longest run are padded at the end with masked positions, and
+`rollback` masks a row's last positions out. Such gaps inside a row are read past by the mask;
+the next call re-pads the batch without them, so they never accumulate. A graph without
+`position_ids` cannot do this (a gap would shift every later position), and says so at load.
 """
 
 from __future__ import annotations
@@ -78,6 +84,16 @@ class _Batch:
     kv: list[ort.OrtValue]
     mask: np.ndarray
     positions: np.ndarray
+    gaps: bool = False
+    """Whether some row has masked positions after its first cached one (padding of a shorter
+    run, or rolled-back positions): its cache is then found through its mask, not its length."""
+
+    def cached_columns(self, row: int) -> slice | np.ndarray:
+        """The cache columns holding `row`'s positions, in order."""
+        if self.gaps:
+            return np.flatnonzero(self.mask[row])
+        width = self.mask.shape[1]
+        return slice(width - int(self.positions[row]), width)
 
 
 class OptimumRunner:
@@ -97,6 +113,11 @@ class OptimumRunner:
             log.warning(
                 "%s has no position_ids input: sequences of different lengths decode in separate "
                 "model calls, since padding would shift their positions",
+                info.name,
+            )
+            log.warning(
+                "%s has no position_ids input: it cannot append several tokens to a decoding "
+                "sequence in one call, so drafts cannot be verified (no speculative decoding)",
                 info.name,
             )
 
@@ -135,7 +156,7 @@ class OptimumRunner:
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         wanted = list(seq_ids)
-        if set(wanted) != self._decoding():
+        if set(wanted) != self._decoding() or any(batch.gaps for batch in self._batches):
             self._regroup(wanted)
         if len(self._batches) == 1:
             return self._step(self._batches[0], wanted, token_ids)
@@ -162,6 +183,71 @@ class OptimumRunner:
         batch.positions = batch.positions + 1
         return np.ascontiguousarray(logits[order, -1], dtype=np.float32)
 
+    # -- several positions per row ---------------------------------------------------------------
+
+    @property
+    def can_decode_runs(self) -> bool:
+        return self._layout.has_position_ids
+
+    def decode_runs(self, seq_ids: Sequence[int], runs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        if len(seq_ids) != len(runs):
+            raise ModelRunnerError(f"{len(seq_ids)} sequences but {len(runs)} runs of tokens")
+        if any(not run for run in runs):
+            raise ModelRunnerError("every sequence must be given at least one token to append")
+        longest = max((len(run) for run in runs), default=0)
+        if longest <= 1:
+            logits = self.decode(seq_ids, [run[0] for run in runs])
+            return [logits[i : i + 1].copy() for i in range(len(runs))]
+        if not self._layout.has_position_ids:
+            raise ModelRunnerError(f"{self._info.name} cannot append several tokens to a decoding sequence")
+        wanted = list(seq_ids)
+        if set(wanted) != self._decoding() or any(batch.gaps for batch in self._batches):
+            self._regroup(wanted)
+        batch = self._batches[0]  # a graph with position_ids decodes every sequence in one batch
+        row_of = {seq: row for row, seq in enumerate(batch.rows)}
+        count = np.zeros(len(batch.rows), dtype=np.int64)
+        tokens = np.zeros((len(batch.rows), longest), dtype=np.int64)
+        for seq, run in zip(wanted, runs, strict=True):
+            count[row_of[seq]] = len(run)
+            tokens[row_of[seq], : len(run)] = run
+        # A shorter run is padded at its end: masked, those positions are read by no query of a
+        # real token, now or later, and their position ids only keep counting.
+        offsets = np.arange(longest, dtype=np.int64)
+        appended = (offsets[np.newaxis, :] < count[:, np.newaxis]).astype(np.int64)
+        mask = np.concatenate([batch.mask, appended], axis=1)
+        feeds = {
+            "input_ids": tokens,
+            "attention_mask": mask,
+            "position_ids": batch.positions[:, np.newaxis] + offsets[np.newaxis, :],
+        }
+        logits, kv = self._run(feeds, batch.kv)
+        batch.kv = kv
+        batch.mask = mask
+        batch.positions = batch.positions + count
+        batch.gaps = batch.gaps or bool(np.any(count < longest))
+        return [
+            np.array(logits[row_of[seq], : len(run)], dtype=np.float32)
+            for seq, run in zip(wanted, runs, strict=True)
+        ]
+
+    def rollback(self, seq_id: int, count: int) -> None:
+        for batch in self._batches:
+            if seq_id not in batch.rows:
+                continue
+            row = batch.rows.index(seq_id)
+            length = int(batch.positions[row])
+            if not 0 <= count <= length:
+                break
+            if count:
+                # Masked out, the positions are invisible to every later query; the next call
+                # re-pads the batch without them.
+                columns = np.flatnonzero(batch.mask[row])[length - count :]
+                batch.mask[row, columns] = 0
+                batch.positions[row] = length - count
+                batch.gaps = True
+            return
+        raise ModelRunnerError(f"sequence {seq_id} cannot drop {count} positions")
+
     # -- prefix reuse ----------------------------------------------------------------------------
 
     def kv_bytes_per_token(self) -> int:
@@ -184,8 +270,8 @@ class OptimumRunner:
             length = int(batch.positions[row])
             if not 0 <= start <= stop <= length:
                 break
-            offset = batch.mask.shape[1] - length
-            return np.stack([value.numpy()[row, :, offset + start : offset + stop] for value in batch.kv])
+            columns = batch.cached_columns(row)
+            return np.stack([value.numpy()[row][:, columns][:, start:stop] for value in batch.kv])
         raise ModelRunnerError(f"sequence {seq_id} has no KV rows [{start}, {stop})")
 
     def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
@@ -243,10 +329,9 @@ class OptimumRunner:
             if not kept:
                 continue
             arrays = [value.numpy() for value in batch.kv]
-            width = batch.mask.shape[1]
             for row, seq in kept:
-                length = int(batch.positions[row])
-                caches[seq] = [array[row, :, width - length :] for array in arrays]
+                columns = batch.cached_columns(row)
+                caches[seq] = [array[row][:, columns] for array in arrays]
         # A numpy view of an OrtValue does not keep the OrtValue's memory alive, and the cache of
         # a sequence started from copied rows is numpy memory that its OrtValue alone holds: the
         # joiners' states stay referenced here until their rows are copied into the new batches.

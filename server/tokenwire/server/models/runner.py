@@ -89,3 +89,33 @@ class KvRowAccess(Protocol):
     def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
         """Start a sequence whose first positions are `blocks`, concatenated; returns their count."""
         ...
+
+
+@runtime_checkable
+class MultiTokenDecode(Protocol):
+    """A runner that appends several tokens to a sequence in one step and can take them back:
+    what verifying speculative drafts needs.
+
+    `decode_runs` appends `runs[i]` (k_i >= 1 tokens) to sequence `seq_ids[i]` and returns the
+    logits at every appended position; `rollback` then drops a sequence's last positions so it
+    continues exactly as if they had never been appended. The KV cache must hold room for the
+    longest run past a sequence's length; running out is a ModelRunnerError before any work.
+    """
+
+    @property
+    def can_decode_runs(self) -> bool:
+        """False where the model's graph cannot append several positions to a decoding row (the
+        runner said why in one log line at load); `decode_runs` then refuses runs longer than 1."""
+        ...
+
+    def decode_runs(self, seq_ids: Sequence[int], runs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Append `runs[i]` to sequence `seq_ids[i]`; one float32 array [len(runs[i]), vocab] per
+        row, in the order of `seq_ids`, row j predicting the token after `runs[i][j]`.
+
+        The arrays are the caller's (never reused by a later call)."""
+        ...
+
+    def rollback(self, seq_id: int, count: int) -> None:
+        """Drop the last `count` positions of a decoding sequence's cache (0 <= count <= its
+        length); its next decode continues from the positions left."""
+        ...

@@ -16,6 +16,12 @@ A slot's first positions can be copied out (`read_kv`) and into a new sequence's
 (`start_from_kv`), which is how a cached prompt prefix replaces a prefill. The copy is exact:
 positions computed in prompt chunks of two or more tokens are bit-identical whichever chunks
 they came in (a one-token chunk takes another kernel path and differs in the last bits).
+
+Several tokens can be appended to a decoding sequence for verifying drafts (`decode_runs`):
+one-token rows share the batched decode call, and each longer run is a batch-1 call on its
+slot, since GroupQueryAttention takes several new positions with a past only at batch size 1.
+A run's positions take the several-row kernels, so they equal one-token decode to rounding,
+not bitwise. `rollback` only shortens the slot's length: positions past it are never read.
 """
 
 from __future__ import annotations
@@ -176,19 +182,48 @@ class SharedKvRunner:
         slot = self._slot_of.get(seq_id)
         if slot is None or int(self._lengths[slot]) != start:
             raise ModelRunnerError(f"sequence {seq_id} continues a prefill out of order")
-        count = len(token_ids)
-        total = start + count
+        total = start + len(token_ids)
         if total > self._max_len:
             raise ModelRunnerError(f"sequence needs {total} positions; the KV cache holds {self._max_len}")
-        binding = self._session.io_binding()
-        binding.bind_cpu_input("input_ids", np.asarray(token_ids, dtype=np.int64).reshape(1, count))
-        binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
-        binding.bind_output("logits", "cpu")
-        self._bind_kv(binding, first_slot=slot, rows=1)
-        run_bound(self._session, binding)
-        self._lengths[slot] = total
-        logits = binding.get_outputs()[0].numpy()
-        return np.asarray(logits[0, -1], dtype=np.float32)
+        logits: np.ndarray = self._run_alone(slot, token_ids, last_only=True)[0]
+        return logits
+
+    @property
+    def can_decode_runs(self) -> bool:
+        return True
+
+    def decode_runs(self, seq_ids: Sequence[int], runs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        if len(seq_ids) != len(runs):
+            raise ModelRunnerError(f"{len(seq_ids)} sequences but {len(runs)} runs of tokens")
+        for seq_id, run in zip(seq_ids, runs, strict=True):
+            slot = self._slot_of.get(seq_id)
+            if slot is None:
+                raise ModelRunnerError(f"sequence {seq_id} is not decoding")
+            if not run:
+                raise ModelRunnerError(f"sequence {seq_id} was given no tokens to append")
+            if int(self._lengths[slot]) + len(run) > self._max_len:
+                raise ModelRunnerError(f"sequence {seq_id} would run past the end of its KV-cache slot")
+        out: list[np.ndarray | None] = [None] * len(seq_ids)
+        # One-token rows share one batched decode call, where each row is bit-identical to
+        # decoding it alone. GroupQueryAttention takes several new positions only at batch size
+        # 1, so every longer run is its own call, bound straight onto its slot.
+        singles = [i for i, run in enumerate(runs) if len(run) == 1]
+        if singles:
+            logits = self.decode([seq_ids[i] for i in singles], [runs[i][0] for i in singles])
+            for row, i in enumerate(singles):
+                out[i] = logits[row : row + 1].copy()
+        for i, run in enumerate(runs):
+            if len(run) > 1:
+                out[i] = self._run_alone(self._slot_of[seq_ids[i]], run)
+        return [logits for logits in out if logits is not None]
+
+    def rollback(self, seq_id: int, count: int) -> None:
+        slot = self._slot_of.get(seq_id)
+        if slot is None or not 0 <= count <= int(self._lengths[slot]):
+            raise ModelRunnerError(f"sequence {seq_id} cannot drop {count} positions")
+        # Positions past a slot's length are never read (the mask row sums to the length), and
+        # the next step writes over them.
+        self._lengths[slot] -= count
 
     def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
         self._compact()
@@ -266,6 +301,21 @@ class SharedKvRunner:
         heapq.heappush(self._free, slot)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def _run_alone(self, slot: int, token_ids: Sequence[int], *, last_only: bool = False) -> np.ndarray:
+        """Append `token_ids` to the sequence in `slot` in a batch-1 call; the logits at every
+        position (or at the last only), float32 [positions, vocab], in a new array."""
+        count = len(token_ids)
+        total = int(self._lengths[slot]) + count
+        binding = self._session.io_binding()
+        binding.bind_cpu_input("input_ids", np.asarray(token_ids, dtype=np.int64).reshape(1, count))
+        binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
+        binding.bind_output("logits", "cpu")
+        self._bind_kv(binding, first_slot=slot, rows=1)
+        run_bound(self._session, binding)
+        self._lengths[slot] = total
+        logits = binding.get_outputs()[0].numpy()
+        return np.array(logits[0, -1:] if last_only else logits[0], dtype=np.float32)
 
     def _occupied_end(self) -> int:
         return max(self._slot_of.values(), default=-1) + 1
