@@ -116,9 +116,14 @@ def _add_convert(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _convert_gguf(args: argparse.Namespace) -> int:
-    from tokenwire.server.model_tools.convert import convert_gguf
+    from tokenwire.server.model_tools.convert import ConversionError, convert_gguf
 
-    print(convert_gguf(args.file, args.out_dir, dtype=args.dtype))
+    try:
+        print(convert_gguf(args.file, args.out_dir, dtype=args.dtype))
+    except ConversionError as error:
+        # A file the converter refuses is the user's input, not a bug: one line, no traceback.
+        print(f"tokenwire convert gguf: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

@@ -18,6 +18,8 @@ from gguf import GGMLQuantizationType, GGUFReader, ReaderTensor
 from gguf.quants import dequantize
 from numpy.typing import NDArray
 
+from tokenwire.server.model_tools.convert.errors import UnsupportedModelError
+from tokenwire.server.model_tools.convert.gguf_file import open_gguf
 from tokenwire.server.model_tools.convert.gguf_tokenizer import GgufVocabulary
 from tokenwire.server.model_tools.convert.llama_model import (
     LinearWeight,
@@ -31,10 +33,6 @@ F32 = NDArray[np.float32]
 
 # Architectures whose GGUF tensors follow the Llama naming and Q/K row permutation.
 SUPPORTED_ARCHITECTURES = ("llama",)
-
-
-class UnsupportedModelError(ValueError):
-    """The GGUF file describes a model this converter cannot express faithfully."""
 
 
 @dataclass(frozen=True)
@@ -67,12 +65,12 @@ class _Fields:
 
 
 def read_gguf(path: Path) -> GgufModel:
-    reader = GGUFReader(path, "r")
+    reader = open_gguf(path)
     fields = _Fields(reader)
     arch = str(fields.require("general.architecture"))
     if arch not in SUPPORTED_ARCHITECTURES:
         raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported (supported: {SUPPORTED_ARCHITECTURES})"
+            f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
         )
     tensors = {t.name: t for t in reader.tensors}
     config = _read_config(fields, arch, tensors)

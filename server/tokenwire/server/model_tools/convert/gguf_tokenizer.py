@@ -14,6 +14,8 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 
+from tokenwire.server.model_tools.convert.errors import ConversionError
+
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL = 1
 TOKEN_UNKNOWN = 2
@@ -40,7 +42,7 @@ _LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pix
 _QWEN2_STYLE = {"qwen2"}
 
 
-class UnsupportedTokenizerError(ValueError):
+class UnsupportedTokenizerError(ConversionError):
     """The GGUF vocabulary uses a tokenizer this module cannot rebuild exactly."""
 
 
