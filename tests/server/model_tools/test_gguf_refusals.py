@@ -169,7 +169,27 @@ def test_unsupported_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    _assert_refused(capsys, path, tmp_path, "architecture 'gpt2' is not supported", "supported: llama")
+    _assert_refused(capsys, path, tmp_path, "architecture 'gpt2' is not supported", "qwen2", "gemma3", "phi3")
+
+
+def test_metadata_that_disagrees_with_a_tensor_shape(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "lying.gguf"
+    write_synthetic_gguf(path, formats=MIXED_FORMATS)
+    reader = gguf.GGUFReader(path, "r+")
+    # feed_forward_length halved: the FFN tensors no longer match the header.
+    reader.fields["llama.feed_forward_length"].parts[-1][0] //= 2
+    del reader
+    _assert_refused(capsys, path, tmp_path, "tensor blk.0.ffn_gate.weight has shape", "metadata implies")
+
+
+def test_a_tensor_of_another_architecture(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "qwen2_as_llama.gguf"
+    write_synthetic_gguf(path, formats=MIXED_FORMATS, arch="qwen2")
+    data = path.read_bytes().replace(b"qwen2", b"llama")
+    path.write_bytes(data)
+    _assert_refused(capsys, path, tmp_path, "tensor blk.0.attn_q.bias is not part of the llama architecture")
 
 
 def test_unsupported_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
