@@ -408,4 +408,8 @@ def _read_vocabulary(fields: _Fields) -> GgufVocabulary:
         add_bos_token=bool(fields.get("tokenizer.ggml.add_bos_token", False)),
         add_eos_token=bool(fields.get("tokenizer.ggml.add_eos_token", False)),
         chat_template=fields.get("tokenizer.chat_template"),
+        scores=[float(x) for x in scores]
+        if (scores := fields.get("tokenizer.ggml.scores")) is not None
+        else None,
+        add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
     )
