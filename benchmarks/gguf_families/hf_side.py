@@ -16,6 +16,8 @@ import numpy as np
 import torch
 import transformers
 
+# Families whose llama.cpp conversion reads a SentencePiece tokenizer.model.
+SENTENCEPIECE_FAMILIES = ("gemma2", "gemma3", "phi3")
 WINDOW = 8  # shorter than prompt + generated tokens, so sliding layers matter
 
 SHAPE = {
@@ -33,6 +35,8 @@ SHAPE = {
 
 def config_for(family: str) -> transformers.PretrainedConfig:
     common = dict(SHAPE, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
+    if family in SENTENCEPIECE_FAMILIES:
+        common.update(bos_token_id=2, eos_token_id=1)
     if family == "llama":
         return transformers.LlamaConfig(**common)
     if family == "mistral":
@@ -103,10 +107,40 @@ def export(convert_dir: Path, model_dir: Path) -> Path:
     return target
 
 
+def sentencepiece_tokenizer(model_dir: Path) -> list[int]:
+    """Gemma's conversion reads a SentencePiece model: train one on run.py's corpus instead of
+    the byte-level BPE files, and return the prompt's ids under it."""
+    import sentencepiece
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model_dir / name).unlink(missing_ok=True)
+    corpus = (model_dir / "corpus.txt").read_text().splitlines()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter(corpus * 20),
+        model_prefix=str(model_dir / "tokenizer"),
+        vocab_size=400,
+        model_type="bpe",
+        byte_fallback=True,
+        character_coverage=1.0,
+        hard_vocab_limit=False,
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+        add_dummy_prefix=False,
+        minloglevel=2,
+    )
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    return [int(i) for i in processor.encode((model_dir / "prompt.txt").read_text())]
+
+
 def main() -> None:
     family, model_dir, convert_dir = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
     prompt = json.loads(sys.argv[4])
     steps = int(sys.argv[5])
+    if family in SENTENCEPIECE_FAMILIES:
+        prompt = sentencepiece_tokenizer(model_dir)
     model = build(family, model_dir)
     export(convert_dir, model_dir)
     with torch.no_grad():
@@ -116,7 +150,7 @@ def main() -> None:
         tokens = out[0, len(prompt) :].tolist()
         logits = model(out).logits[0].float().numpy()
     np.save(model_dir / "hf_logits.npy", logits)
-    (model_dir / "hf_result.json").write_text(json.dumps({"tokens": tokens}))
+    (model_dir / "hf_result.json").write_text(json.dumps({"tokens": tokens, "prompt": prompt}))
 
 
 if __name__ == "__main__":

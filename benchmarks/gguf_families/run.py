@@ -30,6 +30,7 @@ from tests.server.model_tools.llama_reference import mean_kl
 from tests.server.model_tools.shared_buffer_driver import SharedBufferDriver
 from tokenwire.server.model_tools.convert import convert_gguf
 from tokenwire.server.model_tools.tiny_tokenizer import (
+    _CORPUS,
     CHATML_TEMPLATE,
     TURN_END,
     TURN_START,
@@ -38,10 +39,12 @@ from tokenwire.server.model_tools.tiny_tokenizer import (
 )
 
 HERE = Path(__file__).parent
+SENTENCEPIECE_FAMILIES = ("gemma2", "gemma3", "phi3")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 TYPES = ("F32", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS")
 STEPS = 32
 TEXT = "<|im_start|>user\nHello, world! 1234 + 56 = 1290; déjà vu, 東京 😀 — ok?<|im_end|>\n"
+GEMMA_TEXT = "<start_of_turn>user\nHello, world! 1234 + 56 = 1290; déjà vu, 東京 😀 — ok?<end_of_turn>\n"
 
 
 def greedy(model_dir: Path, prompt: list[int], steps: int, batch: list[list[int]]) -> list[int]:
@@ -75,7 +78,11 @@ def family_rows(family: str, args: argparse.Namespace) -> list[dict[str, object]
     write_tokenizer_files(
         work, tokenizer, bos_token=TURN_START, eos_token=TURN_END, chat_template=CHATML_TEMPLATE
     )
-    prompt = tokenizer.encode("The capital of France is Paris. Servers queue").ids
+    prompt_text = "The capital of France is Paris. Servers queue"
+    prompt = tokenizer.encode(prompt_text).ids
+    # Gemma's conversion needs a SentencePiece model, which hf_side.py trains on this corpus.
+    (work / "corpus.txt").write_text(_CORPUS)
+    (work / "prompt.txt").write_text(prompt_text)
     batch = [
         tokenizer.encode(t).ids for t in ("Hello, world!", "Numbers: 0 1 2 3", "A model reads tokens and")
     ]
@@ -92,9 +99,11 @@ def family_rows(family: str, args: argparse.Namespace) -> list[dict[str, object]
         check=True,
         capture_output=not args.verbose,
     )
-    hf_tokens = json.loads((work / "hf_result.json").read_text())["tokens"]
+    hf_result = json.loads((work / "hf_result.json").read_text())
+    hf_tokens, prompt = hf_result["tokens"], hf_result["prompt"]
     hf_logits = np.load(work / "hf_logits.npy")
     sequence = prompt + hf_tokens
+    text = GEMMA_TEXT if family in SENTENCEPIECE_FAMILIES else TEXT
     subprocess.run(
         [
             str(args.llamacpp_python),
@@ -105,7 +114,7 @@ def family_rows(family: str, args: argparse.Namespace) -> list[dict[str, object]
             json.dumps(prompt),
             str(STEPS),
             json.dumps(sequence),
-            TEXT,
+            text,
         ],
         check=True,
         capture_output=not args.verbose,
@@ -121,7 +130,9 @@ def family_rows(family: str, args: argparse.Namespace) -> list[dict[str, object]
         ours_busy = greedy(model_dir, prompt, STEPS, batch)
         lc = theirs[kind]
         split = agreement(ours_alone, lc["tokens"])
-        ours_ids = Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(TEXT).ids
+        ours_ids = (
+            Tokenizer.from_file(str(model_dir / "tokenizer.json")).encode(text, add_special_tokens=False).ids
+        )
         ours_kl = mean_kl(
             hf_logits[len(prompt) - 1 : -1], forced_logits(model_dir, sequence)[len(prompt) - 1 : -1]
         )

@@ -121,6 +121,11 @@ def pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
     raise UnsupportedTokenizerError(f"unknown GGUF pre-tokenizer {pre!r}")
 
 
+# llama.cpp treats these as control tokens, matched in text, even where a file marks them normal.
+_END_OF_TURN_MARKERS = frozenset(
+    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"}
+)
+
 SPACE_PIECE = "\u2581"  # SentencePiece's visible space
 
 
@@ -198,7 +203,7 @@ def build_tokenizer(vocab: GgufVocabulary) -> Tokenizer:
     control = [
         AddedToken(t, special=True, normalized=False)
         for i, t in enumerate(vocab.tokens)
-        if vocab.type_of(i) == TOKEN_CONTROL
+        if vocab.type_of(i) == TOKEN_CONTROL or t in _END_OF_TURN_MARKERS
     ]
     user = [
         AddedToken(t, special=False, normalized=False)
