@@ -108,7 +108,9 @@ def _pull(args: argparse.Namespace) -> int:
 def _add_convert(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     convert = commands.add_parser("convert", help="convert model files into a servable directory")
     kinds = convert.add_subparsers(title="source formats", metavar="FORMAT")
-    gguf = kinds.add_parser("gguf", help="convert a Llama-family GGUF file")
+    gguf = kinds.add_parser(
+        "gguf", help="convert a GGUF file: llama, mistral, qwen2, qwen3, gemma2, gemma3 or phi3"
+    )
     gguf.add_argument("file", type=Path)
     gguf.add_argument("out_dir", type=Path)
     gguf.add_argument("--dtype", choices=("float32", "float16"), default="float32", help="activation/KV type")
@@ -116,9 +118,14 @@ def _add_convert(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
 
 
 def _convert_gguf(args: argparse.Namespace) -> int:
-    from tokenwire.server.model_tools.convert import convert_gguf
+    from tokenwire.server.model_tools.convert import ConversionError, convert_gguf
 
-    print(convert_gguf(args.file, args.out_dir, dtype=args.dtype))
+    try:
+        print(convert_gguf(args.file, args.out_dir, dtype=args.dtype))
+    except ConversionError as error:
+        # A file the converter refuses is the user's input, not a bug: one line, no traceback.
+        print(f"tokenwire convert gguf: {error}", file=sys.stderr)
+        return 2
     return 0
 
 

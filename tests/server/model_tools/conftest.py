@@ -1,4 +1,9 @@
-"""Fixtures for the model builders and the GGUF converter: tiny models, synthetic and real GGUFs."""
+"""Fixtures for the model builders and the GGUF converter: tiny models, synthetic and real GGUFs.
+
+Tests marked `llamacpp` build llama.cpp and a transformers venv (scripts/llamacpp-tools, cached
+outside the repository, about 20 minutes the first time) and are skipped unless asked for with
+`pytest -m llamacpp` (`scripts/test -m llamacpp`).
+"""
 
 from __future__ import annotations
 
@@ -50,3 +55,13 @@ def q4_1_gguf(tmp_path_factory: pytest.TempPathFactory) -> SyntheticGguf:
 @pytest.fixture(scope="session")
 def passage() -> str:
     return PASSAGE_PATH.read_text()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    expression = str(config.getoption("markexpr", default="") or "")
+    if "llamacpp" in expression and "not llamacpp" not in expression:
+        return
+    skip = pytest.mark.skip(reason="builds llama.cpp: run with `pytest -m llamacpp`")
+    for item in items:
+        if item.get_closest_marker("llamacpp") is not None:
+            item.add_marker(skip)

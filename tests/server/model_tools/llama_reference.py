@@ -1,5 +1,9 @@
 """A plain numpy (float64) Llama forward pass, written from the architecture's definition.
 
+It grows per family as Hugging Face's modeling code defines them: Qwen 2's QKV biases, Qwen 3's
+and Gemma 3's per-head QK norms, Gemma's scaled embeddings, post-attention and post-FFN norms,
+GELU-tanh, soft-capping and sliding windows, Gemma 3's local rotary base.
+
 It shares no code with the ONNX graph builder, so agreement between the two checks the builder:
 RMSNorm, rotary embeddings (both Hugging Face's rotate-half form and llama.cpp's interleaved form,
 which GGUF files' Q/K rows are permuted for), grouped-query causal attention, SwiGLU and the head.
@@ -32,6 +36,13 @@ class ReferenceLayer:
     gate: Array
     up: Array
     down: Array
+    q_bias: Array | None = None
+    k_bias: Array | None = None
+    v_bias: Array | None = None
+    q_norm: Array | None = None
+    k_norm: Array | None = None
+    post_attn_norm: Array | None = None
+    post_ffn_norm: Array | None = None
 
 
 @dataclass(frozen=True)
@@ -45,6 +56,14 @@ class ReferenceModel:
     rope_theta: float
     rms_norm_eps: float
     rope_style: Literal["half", "interleaved"]
+    embedding_scale: float = 1.0
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    attention_scale: float | None = None
+    attention_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    sliding_window: int = 0  # keys within this distance, the query's own included
+    sliding_layers: tuple[bool, ...] = ()  # empty: every layer slides when there is a window
+    local_rope_theta: float | None = None
 
 
 def reference_from_weights(
@@ -147,6 +166,14 @@ def rope(x: Array, positions: Array, theta: float, style: Literal["half", "inter
     return out
 
 
+def _gelu_tanh(x: Array) -> Array:
+    return 0.5 * x * (1.0 + np.tanh(np.sqrt(2.0 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def _cap(x: Array, cap: float) -> Array:
+    return np.tanh(x / cap) * cap if cap else x
+
+
 def forward(model: ReferenceModel, token_ids: list[int]) -> Array:
     """Logits [seq, vocab] of a whole sequence, each position attending to itself and earlier ones."""
     seq = len(token_ids)
@@ -154,26 +181,47 @@ def forward(model: ReferenceModel, token_ids: list[int]) -> Array:
     head_dim = model.layers[0].q.shape[0] // model.num_heads
     group = model.num_heads // model.num_kv_heads
     positions = np.arange(seq, dtype=np.float64)
-    causal = np.triu(np.full((seq, seq), -np.inf), k=1)
-    x = model.embed[np.asarray(token_ids)].astype(np.float64)
-    for layer in model.layers:
+    distance = positions[:, None] - positions[None, :]
+    causal = np.where(distance < 0, -np.inf, 0.0)
+    windowed = np.where((distance < 0) | (distance >= model.sliding_window), -np.inf, 0.0)
+    scale = model.attention_scale if model.attention_scale is not None else 1.0 / np.sqrt(head_dim)
+    x = model.embed[np.asarray(token_ids)].astype(np.float64) * model.embedding_scale
+    for index, layer in enumerate(model.layers):
+        sliding = model.sliding_window > 0 and (not model.sliding_layers or model.sliding_layers[index])
+        theta = model.local_rope_theta if sliding and model.local_rope_theta is not None else model.rope_theta
         h = rms_norm(x, layer.attn_norm, model.rms_norm_eps)
-        q = (h @ layer.q.T).reshape(seq, model.num_heads, head_dim)
-        k = (h @ layer.k.T).reshape(seq, model.num_kv_heads, head_dim)
-        v = (h @ layer.v.T).reshape(seq, model.num_kv_heads, head_dim)
-        q = rope(q, positions, model.rope_theta, model.rope_style)
-        k = rope(k, positions, model.rope_theta, model.rope_style)
+        q, k, v = h @ layer.q.T, h @ layer.k.T, h @ layer.v.T
+        q = q if layer.q_bias is None else q + layer.q_bias
+        k = k if layer.k_bias is None else k + layer.k_bias
+        v = v if layer.v_bias is None else v + layer.v_bias
+        q = q.reshape(seq, model.num_heads, head_dim)
+        k = k.reshape(seq, model.num_kv_heads, head_dim)
+        v = v.reshape(seq, model.num_kv_heads, head_dim)
+        if layer.q_norm is not None:
+            q = rms_norm(q, layer.q_norm, model.rms_norm_eps)
+        if layer.k_norm is not None:
+            k = rms_norm(k, layer.k_norm, model.rms_norm_eps)
+        q = rope(q, positions, theta, model.rope_style)
+        k = rope(k, positions, theta, model.rope_style)
         k, v = np.repeat(k, group, axis=1), np.repeat(v, group, axis=1)
-        scores = np.einsum("qhd,khd->hqk", q, k) / np.sqrt(head_dim) + causal
+        scores = _cap(np.einsum("qhd,khd->hqk", q, k) * scale, model.attention_softcap)
+        scores = scores + (windowed if sliding else causal)
         scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
         scores /= scores.sum(axis=-1, keepdims=True)
         attention = np.einsum("hqk,khd->qhd", scores, v).reshape(seq, model.num_heads * head_dim)
-        x = x + attention @ layer.o.T
+        out = attention @ layer.o.T
+        if layer.post_attn_norm is not None:
+            out = rms_norm(out, layer.post_attn_norm, model.rms_norm_eps)
+        x = x + out
         h = rms_norm(x, layer.ffn_norm, model.rms_norm_eps)
         gate, up = h @ layer.gate.T, h @ layer.up.T
-        x = x + (gate / (1.0 + np.exp(-gate)) * up) @ layer.down.T
+        activated = _gelu_tanh(gate) if model.activation == "gelu_tanh" else gate / (1.0 + np.exp(-gate))
+        out = (activated * up) @ layer.down.T
+        if layer.post_ffn_norm is not None:
+            out = rms_norm(out, layer.post_ffn_norm, model.rms_norm_eps)
+        x = x + out
     assert x.shape[1] == hidden
-    return rms_norm(x, model.final_norm, model.rms_norm_eps) @ model.head.T
+    return _cap(rms_norm(x, model.final_norm, model.rms_norm_eps) @ model.head.T, model.final_logit_softcap)
 
 
 def log_softmax(logits: NDArray[np.floating]) -> Array:

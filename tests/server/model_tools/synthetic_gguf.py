@@ -104,6 +104,14 @@ def tokenizer_vocabulary(tokenizer: Tokenizer) -> tuple[list[str], list[str], li
     return tokens, merges, types
 
 
+# What each family adds to Llama in its GGUF files (llama.cpp's tensor and metadata names).
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# Soft caps small enough to change the numbers of this random model (real Gemma 2: 50 and 30).
+GEMMA2_ATTENTION_SOFTCAP = 1.0
+GEMMA2_FINAL_SOFTCAP = 8.0
+GEMMA3_GLOBAL_THETA = 1_000_000.0
+
+
 def write_synthetic_gguf(
     path: Path,
     *,
@@ -113,22 +121,38 @@ def write_synthetic_gguf(
     seed: int = 0,
     pre: str = "gpt2",
     tokenizer_model: str = "gpt2",
+    arch: str = "llama",
+    sliding_window: int = 0,
 ) -> SyntheticGguf:
-    """A 2-layer Llama GGUF; `head` None ties the output layer to the embedding."""
+    """A 2-layer GGUF of family `arch`; `head` None ties the output layer to the embedding.
+
+    A `sliding_window` makes every layer slide (mistral), the even ones (gemma2), or layer 0
+    with layer 1 global (gemma3, through an explicit pattern of 2).
+    """
     rng = np.random.default_rng(seed)
     tokenizer = build_byte_level_tokenizer(VOCAB)
     tokens, merges, types = tokenizer_vocabulary(tokenizer)
     eos = tokens.index(TURN_END)
+    gemma = arch in ("gemma2", "gemma3")
 
-    writer = gguf.GGUFWriter(str(path), "llama")
-    writer.add_name("synthetic llama")
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_name(f"synthetic {arch}")
     writer.add_block_count(2)
     writer.add_context_length(CONTEXT)
     writer.add_embedding_length(HIDDEN)
     writer.add_feed_forward_length(INTERMEDIATE)
     writer.add_head_count(HEADS)
     writer.add_head_count_kv(KV_HEADS)
-    writer.add_rope_freq_base(ROPE_THETA)
+    theta = GEMMA3_GLOBAL_THETA if arch == "gemma3" else ROPE_THETA
+    writer.add_rope_freq_base(theta)
+    if sliding_window:
+        writer.add_sliding_window(sliding_window)
+    if arch == "gemma3":
+        writer.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
+        writer.add_float32(f"{arch}.rope.freq_base_swa", ROPE_THETA)
+    if arch == "gemma2":
+        writer.add_attn_logit_softcapping(GEMMA2_ATTENTION_SOFTCAP)
+        writer.add_final_logit_softcapping(GEMMA2_FINAL_SOFTCAP)
     writer.add_layer_norm_rms_eps(RMS_EPS)
     writer.add_rope_dimension_count(HEAD_DIM)
     writer.add_vocab_size(VOCAB)
@@ -148,10 +172,15 @@ def write_synthetic_gguf(
         writer.add_tensor(name, stored, raw_dtype=None if kind in (Q.F32, Q.F16) else kind)
         return _as_float(stored, kind, rows, cols)
 
-    def norm(name: str) -> np.ndarray:
-        gamma = (1.0 + 0.1 * rng.standard_normal(HIDDEN)).astype(np.float32)
+    def norm(name: str, size: int = HIDDEN) -> np.ndarray:
+        gamma = (1.0 + 0.1 * rng.standard_normal(size)).astype(np.float32)
         writer.add_tensor(name, gamma)
         return gamma.astype(np.float64)
+
+    def vector(name: str, size: int) -> np.ndarray:
+        values = (0.1 * rng.standard_normal(size)).astype(np.float32)
+        writer.add_tensor(name, values)
+        return values.astype(np.float64)
 
     embed = matrix("token_embd.weight", VOCAB, HIDDEN, embedding)
     shapes = {
@@ -167,10 +196,37 @@ def write_synthetic_gguf(
     for layer in range(2):
         p = f"blk.{layer}."
         attn_norm = norm(p + "attn_norm.weight")
-        w = {key: matrix(p + key + ".weight", *shapes[key], formats[key][layer]) for key in shapes}
+        if arch == "phi3":
+            # One fused QKV and one fused gate-up tensor, in the Q and up formats.
+            w = {
+                key: matrix(p + key + ".weight", *shapes[key], formats[key][layer])
+                for key in ("attn_output", "ffn_down")
+            }
+            qkv = matrix(
+                p + "attn_qkv.weight", (HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, formats["attn_q"][layer]
+            )
+            q_end, k_end = HEADS * HEAD_DIM, (HEADS + KV_HEADS) * HEAD_DIM
+            w["attn_q"], w["attn_k"], w["attn_v"] = qkv[:q_end], qkv[q_end:k_end], qkv[k_end:]
+            gate_up = matrix(p + "ffn_up.weight", 2 * INTERMEDIATE, HIDDEN, formats["ffn_up"][layer])
+            w["ffn_gate"], w["ffn_up"] = gate_up[:INTERMEDIATE], gate_up[INTERMEDIATE:]
+        else:
+            w = {key: matrix(p + key + ".weight", *shapes[key], formats[key][layer]) for key in shapes}
+        extra: dict[str, np.ndarray] = {}
+        if arch == "qwen2":
+            extra["q_bias"] = vector(p + "attn_q.bias", HEADS * HEAD_DIM)
+            extra["k_bias"] = vector(p + "attn_k.bias", KV_HEADS * HEAD_DIM)
+            extra["v_bias"] = vector(p + "attn_v.bias", KV_HEADS * HEAD_DIM)
+        if arch in ("qwen3", "gemma3"):
+            extra["q_norm"] = norm(p + "attn_q_norm.weight", HEAD_DIM)
+            extra["k_norm"] = norm(p + "attn_k_norm.weight", HEAD_DIM)
+        if gemma:
+            extra["post_attn_norm"] = norm(p + "post_attention_norm.weight")
         ffn_norm = norm(p + "ffn_norm.weight")
+        if gemma:
+            extra["post_ffn_norm"] = norm(p + "post_ffw_norm.weight")
         layers.append(
             ReferenceLayer(
+                **extra,
                 attn_norm=attn_norm,
                 q=w["attn_q"],
                 k=w["attn_k"],
@@ -196,8 +252,16 @@ def write_synthetic_gguf(
         head=head_weights,
         num_heads=HEADS,
         num_kv_heads=KV_HEADS,
-        rope_theta=ROPE_THETA,
+        rope_theta=theta,
         rms_norm_eps=RMS_EPS,
-        rope_style="interleaved",
+        # Only llama's conversion permutes Q/K rows for llama.cpp's interleaved rotary.
+        rope_style="interleaved" if arch in ("llama", "mistral") else "half",
+        embedding_scale=float(np.sqrt(HIDDEN)) if gemma else 1.0,
+        activation="gelu_tanh" if gemma else "silu",
+        attention_softcap=GEMMA2_ATTENTION_SOFTCAP if arch == "gemma2" else 0.0,
+        final_logit_softcap=GEMMA2_FINAL_SOFTCAP if arch == "gemma2" else 0.0,
+        sliding_window=sliding_window,
+        sliding_layers={"gemma2": (True, False), "gemma3": (True, False)}.get(arch, ()),
+        local_rope_theta=ROPE_THETA if arch == "gemma3" else None,
     )
     return SyntheticGguf(path=path, reference=reference, tokenizer=tokenizer, eos_token_id=eos)

@@ -10,6 +10,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.server.model_tools.reference_bpe import ReferenceBpe
+from tests.server.model_tools.reference_spm import ReferenceSpm
 from tests.server.model_tools.synthetic_gguf import tokenizer_vocabulary
 from tokenwire.server.model_tools.convert import read_gguf
 from tokenwire.server.model_tools.convert.gguf_tokenizer import (
@@ -121,7 +122,9 @@ def test_end_token_ids_lead_with_the_declared_eos() -> None:
 def test_unknown_tokenizers_are_refused() -> None:
     with pytest.raises(UnsupportedTokenizerError, match="pre-tokenizer"):
         build_tokenizer(tiny_vocabulary("some-future-model"))
-    with pytest.raises(UnsupportedTokenizerError, match="byte-level"):
+    with pytest.raises(UnsupportedTokenizerError, match="supported: gpt2"):
+        build_tokenizer(replace(tiny_vocabulary("gpt2"), model="bert"))
+    with pytest.raises(UnsupportedTokenizerError, match=r"tokenizer\.ggml\.scores"):
         build_tokenizer(replace(tiny_vocabulary("gpt2"), model="llama"))
 
 
@@ -137,3 +140,86 @@ def test_default_model_vocabulary_matches_reference_bpe(real_gguf: Path, passage
         assert tokenizer.decode(ids, skip_special_tokens=False) == text
     # Common words are single tokens in a trained vocabulary: a broken merge list would split them.
     assert len(tokenizer.encode(" the capital of France").ids) == 4
+
+
+# --- SentencePiece-style vocabularies (Gemma, Llama 2, Mistral) ------------------------------
+
+SPM_TEXTS = [
+    "Hello, world! The capital of France is Paris.",
+    "  two  spaces, a tab\there and a newline\nthen 1234567 + 89 = 1234656.",
+    "Déjà vu, naïve café, 東京, 😀 and ♞ (the knight has no token: bytes).",
+    "<start_of_turn>user\nWhat is gravity?<end_of_turn>\n<start_of_turn>model\n",
+]
+
+
+def spm_vocabulary(seed: int, *, add_space_prefix: bool) -> GgufVocabulary:
+    """Specials, 256 byte tokens and pieces taken from the tiny BPE vocabulary, random scores."""
+    import numpy as np
+
+    byte_of = {ch: b for b, ch in _bytes_to_unicode().items()}
+    pieces: list[str] = []
+    for token in tokenizer_vocabulary(build_byte_level_tokenizer(512))[0]:
+        try:
+            text = bytes(byte_of[c] for c in token).decode("utf-8")
+        except (KeyError, UnicodeDecodeError):
+            continue
+        piece = text.replace(" ", "\u2581")
+        # As in a trained SentencePiece vocabulary, each character of a piece is a piece too.
+        for candidate in [*piece, piece]:
+            if candidate not in pieces:
+                pieces.append(candidate)
+    specials = ["<unk>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
+    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2, 3, 3, 3, 3] + [6] * 256 + [1] * len(pieces)
+    scores = [0.0] * (len(specials) + 256) + list(np.random.default_rng(seed).normal(size=len(pieces)))
+    return GgufVocabulary(
+        model="llama",
+        pre="default",
+        tokens=tokens,
+        token_types=types,
+        merges=[],
+        bos_token_id=1,
+        eos_token_id=2,
+        eot_token_id=4,
+        pad_token_id=None,
+        unknown_token_id=0,
+        add_bos_token=True,
+        add_eos_token=False,
+        chat_template=None,
+        scores=[float(s) for s in scores],
+        add_space_prefix=add_space_prefix,
+    )
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character table (what byte-level BPE tokens are spelled in)."""
+    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    printable += list(range(ord("®"), ord("ÿ") + 1))
+    table, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+@pytest.mark.parametrize("add_space_prefix", [True, False])
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sentencepiece_vocabulary_tokenizes_like_llama_cpp(seed: int, add_space_prefix: bool) -> None:
+    vocab = spm_vocabulary(seed, add_space_prefix=add_space_prefix)
+    tokenizer = build_tokenizer(vocab)
+    specials = [t for i, t in enumerate(vocab.tokens) if vocab.type_of(i) == 3]
+    reference = ReferenceSpm(vocab.tokens, vocab.scores or [], specials, add_space_prefix=add_space_prefix)
+    for text in SPM_TEXTS:
+        ids = tokenizer.encode(text, add_special_tokens=False).ids
+        assert ids == reference.encode(text), text
+        if not (add_space_prefix and "<start_of_turn>" in text):
+            # (With a space prefix, the text after a special token gained a space, in llama.cpp too.)
+            assert tokenizer.decode(ids, skip_special_tokens=False) == text
+    # Characters without a token are spelled in bytes, not mapped to <unk>.
+    knight = tokenizer.encode("♞", add_special_tokens=False).ids
+    assert [vocab.tokens[i] for i in knight][-3:] == ["<0xE2>", "<0x99>", "<0x9E>"]
+    # add_bos_token puts <bos> first.
+    assert tokenizer.encode("hi").ids[0] == vocab.bos_token_id

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
+from tokenwire.server.model_tools.convert.errors import ConversionError
 from tokenwire.server.model_tools.convert.genai_config import MODEL_FILENAME, TokenIds, write_genai_config
-from tokenwire.server.model_tools.convert.gguf_source import read_gguf
+from tokenwire.server.model_tools.convert.gguf_source import GgufModel, read_gguf
 from tokenwire.server.model_tools.convert.gguf_tokenizer import write_gguf_tokenizer_files
 from tokenwire.server.model_tools.convert.llama_graph import (
     ActivationType,
@@ -63,14 +67,42 @@ def convert_gguf(
     started = time.perf_counter()
     report(0)
     source = read_gguf(gguf_path)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ConversionError(f"{out_dir} exists and is not a directory")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    # Everything is written into a scratch directory beside the target and moved into place only
+    # when complete, so a refusal or a crash halfway never leaves a partial model behind.
+    scratch = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.converting-"))
+    try:
+        # mkdtemp makes it owner-only; the published model gets the usual permissions.
+        umask = os.umask(0)
+        os.umask(umask)
+        scratch.chmod(0o777 & ~umask)
+        _write_conversion(source, gguf_path, scratch, dtype, activation, report, started)
+        _publish(scratch, out_dir)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    if progress is not None:
+        progress("done", 1.0)
+    return out_dir
+
+
+def _write_conversion(
+    source: GgufModel,
+    gguf_path: Path,
+    out_dir: Path,
+    dtype: str,
+    activation: ActivationType,
+    report: Callable[[int], None],
+    started: float,
+) -> None:
     # The tokenizer first: a vocabulary it cannot rebuild fails before the slow stages.
     report(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     vocab = source.vocabulary
     write_gguf_tokenizer_files(out_dir, vocab, model_max_length=source.config.context_length)
     eos = vocab.end_token_ids()
     if not eos:
-        raise ValueError("the GGUF vocabulary names no end-of-sequence token")
+        raise ConversionError("the GGUF vocabulary names no end-of-sequence token")
     bos = vocab.bos_token_id if vocab.bos_token_id is not None else eos[0]
     pad = vocab.pad_token_id if vocab.pad_token_id is not None else eos[0]
     report(2)
@@ -95,6 +127,12 @@ def convert_gguf(
         "seconds": round(time.perf_counter() - started, 2),
     }
     (out_dir / CONVERSION_INFO_FILENAME).write_text(json.dumps(info, indent=2))
-    if progress is not None:
-        progress("done", 1.0)
-    return out_dir
+
+
+def _publish(finished: Path, out_dir: Path) -> None:
+    """Move a finished conversion to `out_dir`, replacing what was there."""
+    if out_dir.exists():
+        stale = out_dir.with_name(f".{out_dir.name}.replaced-{os.getpid()}")
+        out_dir.rename(stale)
+        shutil.rmtree(stale, ignore_errors=True)
+    finished.rename(out_dir)

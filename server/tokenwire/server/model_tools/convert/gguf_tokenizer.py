@@ -4,6 +4,14 @@ GGUF stores byte-level BPE ("gpt2" tokenizer model) as the token strings, the me
 short name of the pre-tokenizer ("tokenizer.ggml.pre"), whose split rules live in llama.cpp's
 source rather than in the file. This module maps those names back to the pre-tokenizers the
 original tokenizer.json files use.
+
+SentencePiece-style vocabularies ("llama" tokenizer model: Gemma, Llama 2, Mistral) carry a
+score per token instead of merges. llama.cpp tokenizes them by repeatedly joining the adjacent
+pair of pieces whose join is a token with the highest score, then spelling what no token covers
+as <0xXX> byte tokens. That is BPE whose merges are ranked by the joined token's score, with byte
+fallback, which is what is built here. The two agree when every character of a multi-character
+token is a token itself, as SentencePiece's training guarantees; a character outside the
+vocabulary is spelled in bytes at once by `tokenizers`, where llama.cpp could still join it.
 """
 
 from __future__ import annotations
@@ -12,7 +20,9 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
+
+from tokenwire.server.model_tools.convert.errors import ConversionError
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL = 1
@@ -40,7 +50,7 @@ _LLAMA3_STYLE = {"llama3", "llama-v3", "llama-bpe", "smaug-bpe", "falcon3", "pix
 _QWEN2_STYLE = {"qwen2"}
 
 
-class UnsupportedTokenizerError(ValueError):
+class UnsupportedTokenizerError(ConversionError):
     """The GGUF vocabulary uses a tokenizer this module cannot rebuild exactly."""
 
 
@@ -59,6 +69,9 @@ class GgufVocabulary:
     add_bos_token: bool
     add_eos_token: bool
     chat_template: str | None
+    # SentencePiece-style vocabularies: a score per token, and whether text gets a leading space.
+    scores: list[float] | None = None
+    add_space_prefix: bool = True
 
     def token(self, token_id: int | None) -> str | None:
         if token_id is None or not 0 <= token_id < len(self.tokens):
@@ -75,7 +88,14 @@ class GgufVocabulary:
             if candidate is not None and candidate not in ids:
                 ids.append(candidate)
         lookup = {token: i for i, token in enumerate(self.tokens) if self.type_of(i) == TOKEN_CONTROL}
-        for marker in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "<|endoftext|>", "<|end|>"):
+        for marker in (
+            "<|im_end|>",
+            "<|eot_id|>",
+            "<|end_of_text|>",
+            "<|endoftext|>",
+            "<|end|>",
+            "<end_of_turn>",
+        ):
             found = lookup.get(marker)
             if found is not None and found not in ids:
                 ids.append(found)
@@ -101,12 +121,15 @@ def pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
     raise UnsupportedTokenizerError(f"unknown GGUF pre-tokenizer {pre!r}")
 
 
-def build_tokenizer(vocab: GgufVocabulary) -> Tokenizer:
-    if vocab.model != "gpt2":
-        raise UnsupportedTokenizerError(f"tokenizer model {vocab.model!r} is not byte-level BPE")
-    ids = {token: i for i, token in enumerate(vocab.tokens)}
-    if len(ids) != len(vocab.tokens):
-        raise UnsupportedTokenizerError("GGUF vocabulary has duplicate tokens")
+# llama.cpp treats these as control tokens, matched in text, even where a file marks them normal.
+_END_OF_TURN_MARKERS = frozenset(
+    {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>"}
+)
+
+SPACE_PIECE = "\u2581"  # SentencePiece's visible space
+
+
+def _byte_level_bpe(vocab: GgufVocabulary, ids: dict[str, int]) -> Tokenizer:
     merges: list[tuple[str, str]] = []
     for merge in vocab.merges:
         left, sep, right = merge.partition(" ")
@@ -116,13 +139,71 @@ def build_tokenizer(vocab: GgufVocabulary) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizer_for(vocab.pre)
     tokenizer.decoder = decoders.ByteLevel()
+    return tokenizer
+
+
+def sentencepiece_merges(vocab: GgufVocabulary, ids: dict[str, int]) -> list[tuple[str, str]]:
+    """Every way to join two tokens into a third, best-scoring result first (llama.cpp's order)."""
+    if vocab.scores is None or len(vocab.scores) != len(vocab.tokens):
+        raise UnsupportedTokenizerError("SentencePiece-style GGUF vocabulary lacks tokenizer.ggml.scores")
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for token, token_id in ids.items():
+        if vocab.type_of(token_id) == TOKEN_BYTE:
+            continue
+        for cut in range(1, len(token)):
+            left, right = token[:cut], token[cut:]
+            left_id, right_id = ids.get(left), ids.get(right)
+            if left_id is not None and right_id is not None:
+                ranked.append((-vocab.scores[token_id], left_id, right_id, left, right))
+    ranked.sort()
+    return [(left, right) for _, _, _, left, right in ranked]
+
+
+def _sentencepiece_bpe(vocab: GgufVocabulary, ids: dict[str, int]) -> Tokenizer:
+    unknown = vocab.token(vocab.unknown_token_id)
+    model = models.BPE(
+        vocab=ids,
+        merges=sentencepiece_merges(vocab, ids),
+        unk_token=unknown,
+        fuse_unk=True,
+        byte_fallback=True,
+    )
+    tokenizer = Tokenizer(model)
+    # llama.cpp adds the leading space to the text before each special token's split, as
+    # Prepend does to each segment between added tokens.
+    steps: list[normalizers.Normalizer] = []
+    if vocab.add_space_prefix:
+        steps.append(normalizers.Prepend(SPACE_PIECE))
+    steps.append(normalizers.Replace(" ", SPACE_PIECE))
+    tokenizer.normalizer = normalizers.Sequence(steps)
+    decode_steps: list[decoders.Decoder] = [
+        decoders.Replace(SPACE_PIECE, " "),
+        decoders.ByteFallback(),
+        decoders.Fuse(),
+    ]
+    if vocab.add_space_prefix:
+        decode_steps.append(decoders.Strip(" ", 1, 0))
+    tokenizer.decoder = decoders.Sequence(decode_steps)
+    return tokenizer
+
+
+def build_tokenizer(vocab: GgufVocabulary) -> Tokenizer:
+    if vocab.model not in ("gpt2", "llama"):
+        raise UnsupportedTokenizerError(
+            f"tokenizer model {vocab.model!r} is not supported "
+            "(supported: gpt2, byte-level BPE; llama, SentencePiece-style with scores)"
+        )
+    ids = {token: i for i, token in enumerate(vocab.tokens)}
+    if len(ids) != len(vocab.tokens):
+        raise UnsupportedTokenizerError("GGUF vocabulary has duplicate tokens")
+    tokenizer = _byte_level_bpe(vocab, ids) if vocab.model == "gpt2" else _sentencepiece_bpe(vocab, ids)
 
     # Control tokens are matched in text before BPE runs (as chat-template markup must be) and
     # are dropped by decode(skip_special_tokens=True); user-defined ones are matched but kept.
     control = [
         AddedToken(t, special=True, normalized=False)
         for i, t in enumerate(vocab.tokens)
-        if vocab.type_of(i) == TOKEN_CONTROL
+        if vocab.type_of(i) == TOKEN_CONTROL or t in _END_OF_TURN_MARKERS
     ]
     user = [
         AddedToken(t, special=False, normalized=False)

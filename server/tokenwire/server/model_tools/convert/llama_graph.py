@@ -1,5 +1,7 @@
 """ONNX graph of a Llama-family decoder in ONNX Runtime GenAI's layout.
 
+The family covers Llama, Mistral, Qwen 2 and 3, Gemma 2 and 3 and Phi-3 (see llama_model.py).
+
 Inputs `input_ids [batch, seq]`, `attention_mask [batch, total_seq]` and
 `past_key_values.N.key/value [batch, kv_heads, past_seq, head_size]`; outputs `logits
 [batch, seq, vocab]` (always float32) and `present.N.key/value`. There is no position_ids input:
@@ -65,14 +67,19 @@ class GraphOptions:
 
 
 def rotary_caches(
-    config: LlamaConfig, freq_factors: NDArray[np.float32] | None
+    config: LlamaConfig,
+    freq_factors: NDArray[np.float32] | None,
+    *,
+    theta: float | None = None,
+    linear_scale: float = 1.0,
 ) -> tuple[NDArray[np.float32], NDArray[np.float32]]:
     """cos/sin tables [context_length, head_size / 2] for rotate-half rotary embeddings."""
     exponents = np.arange(0, config.head_size, 2, dtype=np.float64) / config.head_size
-    inv_freq = 1.0 / (config.rope_theta**exponents)
+    inv_freq = 1.0 / ((config.rope_theta if theta is None else theta) ** exponents)
     if freq_factors is not None:
         inv_freq = inv_freq / freq_factors.astype(np.float64)
-    angles = np.outer(np.arange(config.context_length, dtype=np.float64), inv_freq)
+    positions = np.arange(config.context_length, dtype=np.float64) / linear_scale
+    angles = np.outer(positions, inv_freq)
     return np.cos(angles).astype(np.float32), np.sin(angles).astype(np.float32)
 
 
@@ -178,6 +185,10 @@ class _LlamaGraphBuilder:
         # Inputs extended with their block sums for folded offsets, shared the same way.
         self._padded_sums: dict[tuple[str, int, int], str] = {}
         self._augmented: dict[tuple[str, int, int, int], str] = {}
+        # Sliding layers with a rotary base of their own get cos/sin tables of their own.
+        self.local_caches = config.local_rope_theta is not None and any(
+            config.is_sliding(i) for i in range(config.num_layers)
+        )
 
     # --- linear layers ---------------------------------------------------------------------
 
@@ -344,7 +355,45 @@ class _LlamaGraphBuilder:
             x, [layer.q_proj, layer.k_proj, layer.v_proj], f"{name}.qkv_proj", self.options.fuse_qkv
         )
         q, k, v = (projections, "", "") if isinstance(projections, str) else projections
+        biases = (layer.q_bias, layer.k_bias, layer.v_bias)
+        if any(b is not None for b in biases):
+            sizes = (cfg.q_size, cfg.kv_size, cfg.kv_size)
+            full = [np.zeros(n, np.float32) if b is None else b for b, n in zip(biases, sizes, strict=True)]
+            if k:
+                q, k, v = (
+                    self.g.one(
+                        "Add",
+                        [t, self.g.float_initializer(b, f"{name}.{part}_proj.bias")],
+                        f"/{name}/{part}_bias",
+                    )
+                    for t, b, part in zip((q, k, v), full, "qkv", strict=True)
+                )
+            else:
+                bias = self.g.float_initializer(np.concatenate(full), f"{name}.qkv_proj.bias")
+                q = self.g.one("Add", [q, bias], f"/{name}/qkv_bias")
+        if layer.q_norm is not None or layer.k_norm is not None:
+            if not k:
+                split = np.array([cfg.q_size, cfg.kv_size, cfg.kv_size], np.int64)
+                q, k, v = self.g.node(
+                    "Split", [q, self.g.constant(split)], f"/{name}/qkv_split", outputs=3, axis=-1
+                )
+            if layer.q_norm is not None:
+                q = self.head_rms_norm(q, layer.q_norm, f"{name}.q_norm")
+            if layer.k_norm is not None:
+                k = self.head_rms_norm(k, layer.k_norm, f"{name}.k_norm")
         seqlens_k, total_seq_len = mask_info
+        sliding = cfg.is_sliding(layer_id)
+        caches = (
+            ("cos_cache_local", "sin_cache_local")
+            if sliding and self.local_caches
+            else ("cos_cache", "sin_cache")
+        )
+        scale = (
+            cfg.attention_scale if cfg.attention_scale is not None else 1.0 / float(np.sqrt(cfg.head_size))
+        )
+        extra: dict[str, Any] = {}
+        if cfg.attention_softcap:
+            extra["softcap"] = float(cfg.attention_softcap)
         attn, _, _ = self.g.node(
             "GroupQueryAttention",
             [
@@ -355,8 +404,7 @@ class _LlamaGraphBuilder:
                 f"past_key_values.{layer_id}.value",
                 seqlens_k,
                 total_seq_len,
-                "cos_cache",
-                "sin_cache",
+                *caches,
             ],
             f"/{name}/GroupQueryAttention",
             outputs=[
@@ -367,12 +415,26 @@ class _LlamaGraphBuilder:
             domain=CONTRIB_DOMAIN,
             num_heads=cfg.num_heads,
             kv_num_heads=cfg.num_kv_heads,
-            scale=1.0 / float(np.sqrt(cfg.head_size)),
+            scale=scale,
             do_rotary=1,
             rotary_interleaved=0,
-            local_window_size=-1,
+            # Both count the query's own key: position p sees keys p - window + 1 .. p.
+            local_window_size=cfg.sliding_window if sliding else -1,
+            **extra,
         )
         return self.linear(attn, layer.o_proj, f"{name}.o_proj")
+
+    def head_rms_norm(self, x: str, gamma: NDArray[np.float32], name: str) -> str:
+        """RMSNorm over each head of a [batch, seq, heads * head_size] projection."""
+        per_head = self.g.one(
+            "Reshape",
+            [x, self.g.constant(np.array([0, 0, -1, self.config.head_size], np.int64))],
+            f"/{name}/Reshape",
+        )
+        normed = self.rms_norm(per_head, gamma, name)
+        return self.g.one(
+            "Reshape", [normed, self.g.constant(np.array([0, 0, -1], np.int64))], f"/{name}/Reshape_back"
+        )
 
     def mlp(self, layer_id: int, layer: LlamaLayerWeights, x: str) -> str:
         name = f"model.layers.{layer_id}.mlp"
@@ -389,9 +451,12 @@ class _LlamaGraphBuilder:
             )
         else:
             gate, up = projections
-        sigmoid = self.g.one("Sigmoid", [gate], f"/{name}/act/Sigmoid")
-        silu = self.g.one("Mul", [gate, sigmoid], f"/{name}/act/Mul")
-        hidden = self.g.one("Mul", [silu, up], f"/{name}/Mul")
+        if self.config.activation == "gelu_tanh":
+            activated = self.g.one("Gelu", [gate], f"/{name}/act/Gelu", approximate="tanh")
+        else:
+            sigmoid = self.g.one("Sigmoid", [gate], f"/{name}/act/Sigmoid")
+            activated = self.g.one("Mul", [gate, sigmoid], f"/{name}/act/Mul")
+        hidden = self.g.one("Mul", [activated, up], f"/{name}/Mul")
         return self.linear(hidden, layer.down_proj, f"{name}.down_proj")
 
     def rms_norm(self, x: str, gamma: NDArray[np.float32], name: str) -> str:
@@ -437,22 +502,33 @@ class _LlamaGraphBuilder:
         if len(w.layers) != cfg.num_layers:
             raise ValueError(f"config has {cfg.num_layers} layers, weights have {len(w.layers)}")
         self.check_table_shapes()
-        cos, sin = rotary_caches(cfg, w.rope_freq_factors)
+        cos, sin = rotary_caches(cfg, w.rope_freq_factors, linear_scale=cfg.rope_linear_scale)
         self.g.float_initializer(cos, "cos_cache")
         self.g.float_initializer(sin, "sin_cache")
+        if self.local_caches:
+            cos, sin = rotary_caches(cfg, w.rope_freq_factors, theta=cfg.local_rope_theta)
+            self.g.float_initializer(cos, "cos_cache_local")
+            self.g.float_initializer(sin, "sin_cache_local")
         mask_info = self.mask_info()
 
         residual = self.embedding("input_ids")
+        if cfg.embedding_scale != 1.0:
+            scale = self.g.constant(np.array(cfg.embedding_scale, self.g.float_dtype))
+            residual = self.g.one("Mul", [residual, scale], "/model/embed_scale/Mul")
         # Each layer is fetched once: GGUF weights are decoded on access, one layer at a time.
         layer = w.layers[0]
         x = self.rms_norm(residual, layer.attn_norm, "model.layers.0.input_layernorm")
         for i in range(cfg.num_layers):
             self.check_layer_shapes(i, layer)
             attn = self.attention(i, layer, x, mask_info)
+            if layer.post_attn_norm is not None:
+                attn = self.rms_norm(attn, layer.post_attn_norm, f"model.layers.{i}.post_attn_norm")
             x, residual = self.skip_rms_norm(
                 attn, residual, layer.ffn_norm, f"model.layers.{i}.post_attention_layernorm"
             )
             mlp = self.mlp(i, layer, x)
+            if layer.post_ffn_norm is not None:
+                mlp = self.rms_norm(mlp, layer.post_ffn_norm, f"model.layers.{i}.post_ffn_norm")
             if i + 1 < cfg.num_layers:
                 layer = w.layers[i + 1]
                 gamma, norm_name = layer.attn_norm, f"model.layers.{i + 1}.input_layernorm"
@@ -462,6 +538,11 @@ class _LlamaGraphBuilder:
         logits = self.lm_head(x)
         if self.float_type != TensorProto.FLOAT:
             logits = self.g.one("Cast", [logits], "/lm_head/Cast", to=TensorProto.FLOAT)
+        if cfg.final_logit_softcap:
+            cap = self.g.constant(np.array(cfg.final_logit_softcap, np.float32))
+            scaled = self.g.one("Div", [logits, cap], "/lm_head/softcap/Div")
+            capped = self.g.one("Tanh", [scaled], "/lm_head/softcap/Tanh")
+            logits = self.g.one("Mul", [capped, cap], "/lm_head/softcap/Mul")
         self.g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/logits/Identity"))
         return self.model()
 

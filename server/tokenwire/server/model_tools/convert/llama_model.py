@@ -3,12 +3,16 @@
 Both the GGUF converter and the tiny test model produce these, so one graph builder serves both.
 Linear weights are [out_features, in_features], as in Hugging Face checkpoints, with Q and K
 rows in Hugging Face's rotate-half order (GGUF's interleaved order is undone on load).
+
+The relatives of Llama (Mistral, Qwen 2 and 3, Gemma 2 and 3, Phi-3) are Llama plus optional
+parts: the config fields after `rms_norm_eps` and the optional layer weights default to Llama.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
 from numpy.typing import NDArray
@@ -33,12 +37,34 @@ class LlamaConfig:
     context_length: int
     rope_theta: float
     rms_norm_eps: float
+    # Gemma multiplies the embeddings by sqrt(hidden_size) before the first layer.
+    embedding_scale: float = 1.0
+    # The gated FFN's activation: SiLU (Llama, Qwen, Phi-3) or tanh-approximated GELU (Gemma).
+    activation: Literal["silu", "gelu_tanh"] = "silu"
+    # Scale of the query-key products; None is 1/sqrt(head_size).
+    attention_scale: float | None = None
+    # cap * tanh(x / cap) on attention scores and on the final logits (Gemma 2); 0 is off.
+    attention_softcap: float = 0.0
+    final_logit_softcap: float = 0.0
+    # Tokens a sliding-window layer attends to, itself included; 0 is full attention everywhere.
+    sliding_window: int = 0
+    # Which layers slide; empty with a window means all of them (Mistral).
+    sliding_layers: tuple[bool, ...] = ()
+    # Rotary base of the sliding layers when it differs from rope_theta (Gemma 3's local layers).
+    local_rope_theta: float | None = None
+    # Linear rotary scaling of the full-attention layers: positions are divided by it.
+    rope_linear_scale: float = 1.0
 
     def __post_init__(self) -> None:
         if self.num_heads % self.num_kv_heads:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.head_size % 2:
             raise ValueError("head_size must be even for rotary embeddings")
+
+    def is_sliding(self, layer: int) -> bool:
+        if self.sliding_window <= 0:
+            return False
+        return not self.sliding_layers or self.sliding_layers[layer]
 
     @property
     def q_size(self) -> int:
@@ -60,6 +86,16 @@ class LlamaLayerWeights:
     gate_proj: LinearWeight  # [intermediate, hidden]
     up_proj: LinearWeight  # [intermediate, hidden]
     down_proj: LinearWeight  # [hidden, intermediate]
+    # Qwen 2's Q, K and V biases, [q_size] and [kv_size].
+    q_bias: F32 | None = None
+    k_bias: F32 | None = None
+    v_bias: F32 | None = None
+    # Qwen 3 and Gemma 3 RMS-normalize each head of Q and K before rotary, [head_size].
+    q_norm: F32 | None = None
+    k_norm: F32 | None = None
+    # Gemma 2 and 3 normalize the attention and FFN outputs before the residual add, [hidden].
+    post_attn_norm: F32 | None = None
+    post_ffn_norm: F32 | None = None
 
 
 @dataclass(frozen=True)

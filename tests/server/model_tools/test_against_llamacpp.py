@@ -1,0 +1,113 @@
+"""Each family's GGUF, made and quantized by llama.cpp's own tools, against transformers and llama.cpp.
+
+benchmarks/gguf_families/run.py does the work (see its docstring): a tiny random-weight model
+per family from transformers, exported with convert_hf_to_gguf.py and quantized by llama.cpp;
+these tests hold its results to the issue's bar. Marked `llamacpp` (see conftest.py): they
+build llama.cpp and torch, which a default run cannot afford.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[3]
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+QUANTIZED = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS")
+STEPS = 32
+# A split of greedy paths is a near-tie when llama.cpp's own top two logits were this close there:
+# the two implementations round differently (int8 activations here, llama.cpp's own kernels).
+# Measured: at most 0.155 (Q2_K), mostly under 0.05 (BENCHMARKS.md, model conversion).
+NEAR_TIE = 0.2
+
+pytestmark = pytest.mark.llamacpp
+
+
+@pytest.fixture(scope="session")
+def tools() -> Path:
+    result = subprocess.run(
+        ["bash", str(REPO / "scripts" / "llamacpp-tools")],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    return Path(result.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(
+    scope="session",
+    params=[
+        *[f for f in FAMILIES if f != "phi3"],
+        pytest.param(
+            "phi3",
+            marks=pytest.mark.xfail(
+                reason="llama.cpp 0.3.36 cannot load the tiny Phi-3 file its own converter writes",
+                strict=False,
+            ),
+        ),
+    ],
+)
+def results(
+    request: pytest.FixtureRequest, tools: Path, tmp_path_factory: pytest.TempPathFactory
+) -> list[dict]:
+    work = tmp_path_factory.mktemp(request.param)
+    out = work / "results.json"
+    source = next((tools / "sdist").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    env = dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "server"), str(REPO / "client"), str(REPO)])
+    )
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gguf_families" / "run.py"),
+            "--hf-python",
+            str(tools / "hfvenv" / "bin" / "python"),
+            "--llamacpp-python",
+            str(tools / "venv" / "bin" / "python"),
+            "--llamacpp-source",
+            str(source),
+            "--work",
+            str(work),
+            "--families",
+            request.param,
+            "--out",
+            str(out),
+        ],
+        check=True,
+        env=env,
+        timeout=1800,
+    )
+    rows: list[dict] = json.loads(out.read_text())
+    assert rows and "error" not in rows[0], rows
+    return rows
+
+
+def test_float_gguf_matches_transformers_alone_and_in_a_batch(results: list[dict]) -> None:
+    f32 = next(r for r in results if r["type"] == "F32")
+    if f32["family"] == "mistral":
+        # convert_hf_to_gguf.py drops Mistral's sliding window, so the file is full-attention
+        # Llama: the bar is llama.cpp's run of it, which does the same.
+        assert f32["vs_llamacpp"] == STEPS
+        assert f32["kl_tokenwire"] <= f32["kl_llamacpp"] * 1.01
+        return
+    assert f32["vs_transformers_alone"] == STEPS
+    assert f32["vs_transformers_busy"] == STEPS
+
+
+def test_prompt_ids_equal_llama_cpp(results: list[dict]) -> None:
+    assert all(r["prompt_ids_equal"] for r in results)
+
+
+@pytest.mark.parametrize("kind", QUANTIZED)
+def test_quantized_gguf_follows_llama_cpp(results: list[dict], kind: str) -> None:
+    row = next(r for r in results if r["type"] == kind)
+    if row["vs_llamacpp"] < STEPS:
+        assert row["llamacpp_gap_at_split"] < NEAR_TIE, row
+    # No further from the float model than llama.cpp's own run of the same file (plus rounding).
+    assert row["kl_tokenwire"] <= 1.5 * row["kl_llamacpp"] + 1e-4, row
