@@ -22,6 +22,7 @@ from tokenwire.server.engine.format_cache import FormatLimits
 from tokenwire.server.engine.types import Caller
 from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.models.runtime_check import Device
+from tokenwire.server.openai_api.settings import HttpSettings
 from tokenwire.server.security.callers import default_name
 from tokenwire.server.settings_schema import (
     ENGINE,
@@ -282,6 +283,7 @@ class ServerSettings:
         minimum=1,
     )
     stream: StreamLimits = settings_group(StreamLimits, group=NETWORK)
+    http: HttpSettings = settings_group(HttpSettings, group=NETWORK, prefix="http_")
     keepalive: KeepaliveSettings = settings_group(KeepaliveSettings, group=NETWORK, prefix="keepalive_")
     reflection: bool = setting(
         True,
@@ -317,7 +319,19 @@ class ServerSettings:
         problems += self._telemetry_problems()
         problems += self._tls_problems()
         problems += self._health_problems()
+        problems += self._http_problems()
         return problems
+
+    def _http_problems(self) -> list[str]:
+        port = self.http.port
+        if port in (None, 0):
+            return []
+        taken = (
+            ("--port", self.port),
+            ("--metrics-port", self.telemetry.metrics_port),
+            ("--health-port", self.health.port),
+        )
+        return [f"--http-port: {port} is also the {flag}" for flag, other in taken if other == port]
 
     def _telemetry_problems(self) -> list[str]:
         telemetry = self.telemetry

@@ -6,6 +6,10 @@ resolve the model, validate the request against it and submit it. A refusal at a
 recorded and raised as a GenerationError; each RPC answers it in its own way (a status for
 Generate, an error event on the stream).
 
+The gRPC edge hands over the decoded GenerateRequest; another edge (the OpenAI-compatible HTTP
+API) hands over a DecodedRequest, already in domain terms, whose bounds the request validator
+checks before anything grows with the input. From there both take the same path.
+
 Validation tokenizes the prompt or renders the conversation, work that grows with the input:
 beyond a small input it runs in a worker thread, in pieces that each hold the GIL only briefly
 (Tokenizer.encode_within), so the event loop keeps serving every other stream meanwhile.
@@ -50,6 +54,20 @@ class Admitted:
     """True when the call joined a generation asked for earlier with the same id."""
 
 
+@dataclass(frozen=True)
+class DecodedRequest:
+    """A request another edge decoded into domain terms, for the same admission as gRPC's.
+
+    The edge bounded the bytes it read and parsed; counts and lengths inside (messages, stop
+    strings, prompt characters) are the validator's first checks, before any tokenizing.
+    """
+
+    spec: RequestSpec
+    """With a request id: the edge names every request it admits."""
+    name_fields: Callable[[GenerationError], GenerationError]
+    """Renames the violations of a validation error (RequestSpec fields) into the edge's terms."""
+
+
 INLINE_INPUT_CHARACTERS = 2048
 """Prompts (or conversations) up to this size are validated on the event loop: tokenizing them
 takes less than the hop to a worker thread would."""
@@ -82,7 +100,7 @@ class Admission:
         self,
         method: str,
         metadata: Metadata | None,
-        message: pb.GenerateRequest | UndecodableRequest,
+        message: pb.GenerateRequest | UndecodableRequest | DecodedRequest,
         *,
         received: float,
         call_deadline: float | None,
@@ -105,10 +123,15 @@ class Admission:
         try:
             if isinstance(message, UndecodableRequest):
                 raise message.error()
-            # Only the id and model first: the rest may be huge, and is bounded before it is read.
-            record.describe(RequestSpec(request_id=message.request_id, model=message.model))
-            request_bounds.check_before_model(message, self._limits)
-            spec = convert.request_spec(message)
+            if isinstance(message, DecodedRequest):
+                spec = message.spec
+                name_fields = message.name_fields
+            else:
+                # Only the id and model first: the rest may be huge, and is bounded before it is read.
+                record.describe(RequestSpec(request_id=message.request_id, model=message.model))
+                request_bounds.check_before_model(message, self._limits)
+                spec = convert.request_spec(message)
+                name_fields = convert.request_error
             chosen_id = spec.request_id
             if live_ids is None and not spec.request_id:
                 spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
@@ -117,7 +140,11 @@ class Admission:
                 raise _duplicate_id(spec.request_id)
             # Only an id the client chose makes a request retryable; a made-up one pays nothing.
             fingerprint = b""
-            if self._generations is not None and 0 < len(chosen_id) <= MAX_REQUEST_ID_LENGTH:
+            if (
+                self._generations is not None
+                and not isinstance(message, DecodedRequest)
+                and 0 < len(chosen_id) <= MAX_REQUEST_ID_LENGTH
+            ):
                 fingerprint = _fingerprint(message)
                 earlier = self._generations.find(caller.name, chosen_id, fingerprint)
                 if earlier is not None:
@@ -126,7 +153,8 @@ class Admission:
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
-            request_bounds.check_against_model(message, self._limits, served.model.info.context_length)
+            if not isinstance(message, DecodedRequest):
+                request_bounds.check_against_model(message, self._limits, served.model.info.context_length)
 
             def validate() -> GenerationRequest:
                 return served.validator.validate(
@@ -142,7 +170,7 @@ class Admission:
                 else:
                     request = await asyncio.get_running_loop().run_in_executor(self._workers, validate)
             except GenerationError as error:
-                raise convert.request_error(error) from None
+                raise name_fields(error) from None
             request = replace(request, caller=caller)
             if not fingerprint or self._generations is None:
                 ticket = served.engine.submit(request, observed)
