@@ -119,6 +119,7 @@ async def test_bodies_over_the_bound_are_refused_before_they_are_read(
     for status, body, size in replies:
         assert status == 413, body
         assert "--max-receive-message-bytes" in body["error"]["message"]
+        assert body["error"]["code"] == "body_too_large" and body["error"]["type"] == "invalid_request_error"
         assert size < SMALL_ERROR_BYTES
     assert measured.rss_growth < 64 * MIB
 

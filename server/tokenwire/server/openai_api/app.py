@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 import uuid
@@ -345,8 +346,9 @@ async def _stream(
 
 
 def _refusal(error: GenerationError) -> HttpResponse:
-    if error.reason == "BODY_TOO_LARGE":
-        return HttpResponse(413, http_error(error).body)
+    if error.reason == "BODY_TOO_LARGE":  # bad input, not load: the client must send less
+        refusal = {**error_object(error), "type": "invalid_request_error"}
+        return HttpResponse(413, json.dumps({"error": refusal}).encode())
     if error.reason == "BODY_TIMEOUT":
         return HttpResponse(408, http_error(error).body, ((b"connection", b"close"),))
     return http_error(error)
