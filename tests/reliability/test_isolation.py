@@ -90,6 +90,7 @@ class Server:
     port: int
     metrics_port: int
     log_path: Path
+    http_port: int = 0
 
     @property
     def target(self) -> str:
@@ -140,6 +141,12 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
             # (tests/server/api/test_stream_limits.py).
             "--unread-output-timeout",
             "600",
+            # The OpenAI-compatible edge, attacked in tests/reliability/test_http_isolation.py; a
+            # body deadline short enough for a CI-scale slow-body attack to reach it.
+            "--http-port",
+            "0",
+            "--http-body-timeout",
+            "1",
         ],
         stdout=subprocess.PIPE,
         stderr=log,
@@ -148,15 +155,17 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     )
     log.close()
     assert process.stdout is not None
-    port = metrics_port = 0
+    port = metrics_port = http_port = 0
     for line in process.stdout:
         if "metrics on" in line:
             metrics_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
+        if "OpenAI-compatible API on" in line:
+            http_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
         if "serving on" in line:
             port = int(line.rsplit(":", 1)[1])
             break
     assert port, f"server exited with {process.poll()}: {log_path.read_text()[-2000:]}"
-    yield Server(process, port, metrics_port, log_path)
+    yield Server(process, port, metrics_port, log_path, http_port)
     process.terminate()
     try:
         process.wait(30)

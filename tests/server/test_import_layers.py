@@ -2,7 +2,7 @@
 
 Read from the source (every `import` and `from ... import` outside `if TYPE_CHECKING:`), so a
 new import that climbs a layer or closes a cycle fails here, in CI, before anyone has to untangle
-it. The layers, top to bottom: the wire (`api`, `security`, `http`), telemetry, the engine, then
+it. The layers, top to bottom: the wire (`api`, `security`, `openai_api`), telemetry, the engine, then
 the model, text and sampling packages. Modules at the top of `tokenwire.server` (the app, the
 CLI, settings) and `model_tools` sit outside the layers but may not close a cycle either.
 """

@@ -13,6 +13,7 @@ from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace.export import SpanExporter
 
 from tokenwire.server.api import errors
+from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.chat import chat_prompts
 from tokenwire.server.api.handlers import SERVICE_NAME, add_inference_service
 from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaService, add_orca_service
@@ -35,6 +36,8 @@ from tokenwire.server.models.loader import LoadedModel, LoadSettings, load_model
 from tokenwire.server.models.session import SessionSettings
 from tokenwire.server.models.warmup import warm_up
 from tokenwire.server.observers import ObserverFanOut
+from tokenwire.server.openai_api.app import OpenAIApp
+from tokenwire.server.openai_api.listener import HttpListener
 from tokenwire.server.sampling.constraint import FormatCompiler
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import BearerTokenInterceptor
@@ -78,6 +81,9 @@ class TokenwireServer:
         self._health_server: grpc.aio.Server | None = None
         self.health_port: int | None = None
         """Port of the plaintext health listener once started; None without --health-port."""
+        self._http: HttpListener | None = None
+        self.http_port: int | None = None
+        """Port of the OpenAI-compatible HTTP API once started; None without --http-port."""
         self.health = HealthReporter(health_aio.HealthServicer(), ("", SERVICE_NAME), settings.health)
         tls = settings.tls
         self.telemetry = Telemetry(
@@ -131,6 +137,21 @@ class TokenwireServer:
                 await asyncio.to_thread(self.telemetry.shutdown)
                 raise
             log.info("grpc.health.v1 also on %s:%d (plaintext, no token)", settings.host, self.health_port)
+        if settings.http.enabled:
+            try:
+                self.http_port = await self._start_http(settings)
+            except BaseException:
+                await self._server.stop(0)
+                if self._health_server is not None:
+                    await self._health_server.stop(0)
+                await asyncio.to_thread(self.telemetry.shutdown)
+                raise
+            log.info(
+                "OpenAI-compatible HTTP API on %s:%d (%s)",
+                settings.host,
+                self.http_port,
+                "HTTPS" if settings.tls.enabled else "plaintext",
+            )
         log.info(
             "listening on %s:%d (%s%s)",
             settings.host,
@@ -139,6 +160,26 @@ class TokenwireServer:
             ", bearer tokens required" if settings.auth.enabled else "",
         )
         return self.port
+
+    async def _start_http(self, settings: ServerSettings) -> int:
+        """The HTTP edge on the same registry, lifecycle, callers, limits and telemetry as gRPC."""
+        callers = CallerDirectory(settings.auth.token_callers())
+        tokens = (
+            BearerTokenInterceptor(settings.auth.tokens, refuse=errors.abort)
+            if settings.auth.enabled
+            else None
+        )
+        app = OpenAIApp(
+            self.registry,
+            Admission(self.registry, self.lifecycle, self.telemetry.requests, callers, settings.limits),
+            self.telemetry.requests,
+            callers,
+            tokens=tokens,
+            max_body_bytes=settings.max_receive_message_bytes,
+            body_timeout=settings.http.body_timeout,
+        )
+        self._http = HttpListener(app, settings.http, settings.host, settings.tls)
+        return await self._http.start()
 
     def _listen(self, settings: ServerSettings) -> int:
         interceptors: list[grpc.aio.ServerInterceptor] = []
@@ -247,6 +288,9 @@ class TokenwireServer:
         self.lifecycle.enter(ServingPhase.STOPPED)
         for served in self.registry.all():
             await served.engine.shutdown()
+        if self._http is not None:
+            await self._http.stop(grace)
+            self._http = None
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None

@@ -21,6 +21,7 @@ from tokenwire.server.engine.format_cache import FormatLimits
 from tokenwire.server.engine.types import Caller
 from tokenwire.server.engine.validation import RequestLimits
 from tokenwire.server.models.runtime_check import Device
+from tokenwire.server.openai_api.settings import HttpSettings
 from tokenwire.server.security.callers import default_name
 from tokenwire.server.security.gateway_headers import GatewaySettings
 from tokenwire.server.security.tls import TlsSettings
@@ -198,6 +199,7 @@ class ServerSettings:
         minimum=0,
     )
     stream: StreamLimits = settings_group(StreamLimits, group=NETWORK)
+    http: HttpSettings = settings_group(HttpSettings, group=NETWORK, prefix="http_")
     keepalive: KeepaliveSettings = settings_group(KeepaliveSettings, group=NETWORK, prefix="keepalive_")
     reflection: bool = setting(
         True,
@@ -237,7 +239,19 @@ class ServerSettings:
         problems += self.gateway.problems(
             [caller for _, caller in self.auth.token_callers()], authenticated=self.auth.enabled
         )
+        problems += self._http_problems()
         return problems
+
+    def _http_problems(self) -> list[str]:
+        port = self.http.port
+        if port in (None, 0):
+            return []
+        taken = (
+            ("--port", self.port),
+            ("--metrics-port", self.telemetry.metrics_port),
+            ("--health-port", self.health.port),
+        )
+        return [f"--http-port: {port} is also the {flag}" for flag, other in taken if other == port]
 
     def _telemetry_problems(self) -> list[str]:
         telemetry = self.telemetry

@@ -49,6 +49,12 @@ async def serve(settings: ServerSettings) -> int:
             f"tokenwire: metrics on {scheme}://{settings.metrics_address}:{server.metrics_port}/metrics",
             flush=True,
         )
+    if server.http_port is not None:
+        scheme = "https" if settings.tls.enabled else "http"
+        print(
+            f"tokenwire: OpenAI-compatible API on {scheme}://{settings.host}:{server.http_port}/v1",
+            flush=True,
+        )
     loading = asyncio.create_task(server.load())
     stopping = asyncio.create_task(stop_requested.wait())
     await asyncio.wait({loading, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -6,6 +6,10 @@ resolve the model, validate the request against it and submit it. A refusal at a
 recorded and raised as a GenerationError; each RPC answers it in its own way (a status for
 Generate, an error event on the stream).
 
+The gRPC edge hands over the decoded GenerateRequest; another edge (the OpenAI-compatible HTTP
+API) hands over a DecodedRequest, already in domain terms, whose bounds the request validator
+checks before anything grows with the input. From there both take the same path.
+
 Validation tokenizes the prompt or renders the conversation, work that grows with the input:
 beyond a small input it runs in a worker thread, in pieces that each hold the GIL only briefly
 (Tokenizer.encode_within), so the event loop keeps serving every other stream meanwhile.
@@ -25,7 +29,7 @@ from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
-from tokenwire.server.engine.types import AbortReason, EngineEvent, GenerationRequest
+from tokenwire.server.engine.types import AbortReason, EngineEvent, GenerationRequest, Priority
 from tokenwire.server.engine.validation import RequestLimits, RequestSpec
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.metadata import Metadata
@@ -46,6 +50,20 @@ class Admitted:
     through the generation registry when other calls may share the generation."""
     attached: bool = False
     """True when the call joined a generation asked for earlier with the same idempotency key."""
+
+
+@dataclass(frozen=True)
+class DecodedRequest:
+    """A request another edge decoded into domain terms, for the same admission as gRPC's.
+
+    The edge bounded the bytes it read and parsed; counts and lengths inside (messages, stop
+    strings, prompt characters) are the validator's first checks, before any tokenizing.
+    """
+
+    spec: RequestSpec
+    """With a request id: the edge names every request it admits."""
+    name_fields: Callable[[GenerationError], GenerationError]
+    """Renames the violations of a validation error (RequestSpec fields) into the edge's terms."""
 
 
 INLINE_INPUT_CHARACTERS = 2048
@@ -82,7 +100,7 @@ class Admission:
         self,
         method: str,
         metadata: Metadata | None,
-        message: pb.GenerateRequest | UndecodableRequest,
+        message: pb.GenerateRequest | UndecodableRequest | DecodedRequest,
         *,
         received: float,
         call_deadline: float | None,
@@ -108,12 +126,19 @@ class Admission:
                 record.identified(caller.name)
             if isinstance(message, UndecodableRequest):
                 raise message.error()
-            # Only the id and model first: the rest may be huge, and is bounded before it is read.
-            record.describe(RequestSpec(request_id=message.request_id, model=message.model))
-            request_bounds.check_before_model(message, self._limits)
-            spec = convert.request_spec(message)
+            if isinstance(message, DecodedRequest):
+                spec = message.spec
+                name_fields = message.name_fields
+            else:
+                # Only the id and model first: the rest may be huge, and is bounded before it is read.
+                record.describe(RequestSpec(request_id=message.request_id, model=message.model))
+                request_bounds.check_before_model(message, self._limits)
+                spec = convert.request_spec(message)
+                name_fields = convert.request_error
             if self._gateway is not None and spec.priority is not None:  # None: a value validation refuses
-                body = spec.priority if message.priority != pb.PRIORITY_UNSPECIFIED else None
+                body: Priority | None = spec.priority
+                if isinstance(message, pb.GenerateRequest) and message.priority == pb.PRIORITY_UNSPECIFIED:
+                    body = None
                 spec = replace(spec, priority=self._gateway.priority(metadata, body) or spec.priority)
             if live_ids is None and not spec.request_id:
                 spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
@@ -121,10 +146,14 @@ class Admission:
             if live_ids is not None and spec.request_id and spec.request_id in live_ids:
                 raise _duplicate_id(spec.request_id)
             # Only an idempotency key makes a request retryable (bounded above, so at most 128
-            # characters); a request without one is never looked up and pays nothing.
-            idempotency_key = convert.idempotency_key(message)
+            # characters); a request without one is never looked up and pays nothing. The HTTP
+            # edge's requests carry none.
+            idempotency_key = (
+                None if isinstance(message, DecodedRequest) else convert.idempotency_key(message)
+            )
             fingerprint = b""
             if self._generations is not None and idempotency_key is not None:
+                assert isinstance(message, pb.GenerateRequest), "only a GenerateRequest carries a key"
                 fingerprint = _fingerprint(message)
                 earlier = self._generations.find(caller.name, idempotency_key, fingerprint)
                 if earlier is not None:
@@ -133,7 +162,8 @@ class Admission:
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
-            request_bounds.check_against_model(message, self._limits, served.model.info.context_length)
+            if not isinstance(message, DecodedRequest):
+                request_bounds.check_against_model(message, self._limits, served.model.info.context_length)
 
             def validate() -> GenerationRequest:
                 return served.validator.validate(
@@ -149,7 +179,7 @@ class Admission:
                 else:
                     request = await asyncio.get_running_loop().run_in_executor(self._workers, validate)
             except GenerationError as error:
-                raise convert.request_error(error) from None
+                raise name_fields(error) from None
             request = replace(request, caller=caller)
             if idempotency_key is None or self._generations is None:
                 ticket = served.engine.submit(request, observed)

@@ -121,14 +121,16 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         ):
             return handler
         metadata: Metadata | None = details.invocation_metadata
-        error = self._check(metadata)
+        error = self.check(metadata)
         if error is None:
             return handler
         if self._on_refused is not None:
             self._on_refused(method, metadata, error)
         return _refusal(handler, error, self._refuse)
 
-    def _check(self, metadata: Metadata | None) -> GenerationError | None:
+    def check(self, metadata: Metadata | None) -> GenerationError | None:
+        """Why a call with this metadata is refused, or None for a valid token. The HTTP edge
+        asks it with the request's headers (lower-case names), so both edges take one token set."""
         presented = _bearer_token(metadata)
         if presented is None:
             return MISSING

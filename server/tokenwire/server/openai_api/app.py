@@ -1,0 +1,382 @@
+"""The ASGI application of the OpenAI-compatible API, served by uvicorn (listener.py).
+
+Threads: every call runs on the server's one event loop, the gRPC server's. Parsing a body
+larger than INLINE_BODY_BYTES runs on this app's parse workers, and validating a large prompt
+on the admission's validation workers, so nothing that grows with the input holds the loop.
+Engine events arrive on the loop (the engine's sinks are called there) and go into one queue
+per request, which the request's own task writes out.
+
+A request's life: route, authenticate (a header check: an unauthenticated body is never read),
+bound the body (Content-Length first, then a running byte count with a deadline for the whole
+body), parse it into a RequestSpec, admit it exactly as gRPC admits a GenerateRequest
+(api/admission.py: same callers, queue, priorities, validator, telemetry), then answer with
+one JSON object or a stream of server-sent events. From admission on, a task watches for the
+client going away; when it does, the generation is stopped with the same abort path a gRPC
+cancel takes, within one decode step, and recorded as cancelled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Awaitable, Callable, MutableMapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from tokenwire.server.api.admission import Admission, Admitted, DecodedRequest
+from tokenwire.server.api.registry import ModelRegistry
+from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.types import (
+    AbortReason,
+    Completed,
+    EngineEvent,
+    Failed,
+    Started,
+    TokensGenerated,
+)
+from tokenwire.server.openai_api import responses
+from tokenwire.server.openai_api.errors import HttpResponse, error_object, http_error, plain_error
+from tokenwire.server.openai_api.parsing import ParseBody, ParsedRequest, parse_chat, parse_completion
+from tokenwire.server.security.auth import BearerTokenInterceptor
+from tokenwire.server.security.callers import CallerDirectory
+from tokenwire.server.telemetry.requests import RequestTelemetry
+
+log = logging.getLogger(__name__)
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+INLINE_BODY_BYTES = 16 * 1024
+"""Bodies up to this size are parsed on the event loop: less work than the hop to a worker."""
+PARSE_WORKERS = 2
+JSON = b"application/json"
+EVENT_STREAM = b"text/event-stream"
+
+
+@dataclass(frozen=True)
+class Route:
+    operation: str
+    """The method name the access log, spans and metrics record."""
+    parse: ParseBody
+    id_prefix: str
+
+
+ROUTES = {
+    "/v1/chat/completions": Route("/v1/chat/completions", parse_chat, "chatcmpl-"),
+    "/v1/completions": Route("/v1/completions", parse_completion, "cmpl-"),
+}
+MODELS_PATH = "/v1/models"
+
+
+class _ClientGoneError(Exception):
+    """The client disconnected before its request was whole."""
+
+
+class OpenAIApp:
+    def __init__(
+        self,
+        registry: ModelRegistry,
+        admission: Admission,
+        telemetry: RequestTelemetry,
+        callers: CallerDirectory,
+        *,
+        tokens: BearerTokenInterceptor | None,
+        max_body_bytes: int,
+        body_timeout: float,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._registry = registry
+        self._admission = admission
+        self._telemetry = telemetry
+        self._callers = callers
+        self._tokens = tokens
+        self._max_body_bytes = max_body_bytes
+        self._body_timeout = body_timeout
+        self._clock = clock
+        self._workers = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="http-parse")
+        self._created = int(time.time())
+
+    def close(self) -> None:
+        self._workers.shutdown(wait=False, cancel_futures=True)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return  # the listener runs without lifespan events and refuses websockets
+        received = self._clock()
+        metadata = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
+        path: str = scope["path"]
+        try:
+            if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
+                await self._models(scope["method"], path, metadata, send)
+                return
+            route = ROUTES.get(path)
+            if route is None:
+                await _respond(
+                    send, plain_error(404, "invalid_request_error", f"no route {path}", "not_found")
+                )
+                return
+            if scope["method"] != "POST":
+                await _respond(send, _method_not_allowed("POST"))
+                return
+            await self._generate(route, metadata, received, receive, send)
+        except _ClientGoneError:
+            return
+        except Exception:
+            log.exception("HTTP request %s failed", path)
+            error = GenerationError(ErrorKind.INTERNAL, "internal error", reason="INTERNAL")
+            # Past the response's start the connection can only be dropped; uvicorn does that.
+            with contextlib.suppress(Exception):
+                await _respond(send, http_error(error))
+
+    async def _models(self, method: str, path: str, metadata: list[tuple[str, str]], send: Send) -> None:
+        if method != "GET":
+            await _respond(send, _method_not_allowed("GET"))
+            return
+        refused = self._authenticate(path, metadata)
+        if refused is not None:
+            await _respond(send, refused)
+            return
+        if path == MODELS_PATH:
+            names = [served.name for served in self._registry.all()]
+            await _respond(send, _ok(responses.models_list(names, self._created)))
+            return
+        name = path[len(MODELS_PATH) + 1 :]
+        if name not in {served.name for served in self._registry.all()}:
+            error = GenerationError(
+                ErrorKind.NOT_FOUND, f"model {name[:256]!r} is not served here", reason="MODEL_NOT_FOUND"
+            )
+            await _respond(send, http_error(error))
+            return
+        await _respond(send, _ok(responses.model_json(name, self._created)))
+
+    def _authenticate(self, operation: str, metadata: list[tuple[str, str]]) -> HttpResponse | None:
+        if self._tokens is None:
+            return None
+        error = self._tokens.check(metadata)
+        if error is None:
+            return None
+        self._telemetry.refuse_call(operation, metadata, error)
+        refusal = http_error(error)
+        return HttpResponse(
+            refusal.status, refusal.body, (*refusal.headers, (b"www-authenticate", b"Bearer"))
+        )
+
+    async def _generate(
+        self,
+        route: Route,
+        metadata: list[tuple[str, str]],
+        received: float,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        refused = self._authenticate(route.operation, metadata)
+        if refused is not None:
+            await _respond(send, refused)
+            return
+        try:
+            body = await self._read_body(metadata, received, receive)
+            headers = dict(metadata)
+            request_id = route.id_prefix + uuid.uuid4().hex[:24]
+            if len(body) <= INLINE_BODY_BYTES:
+                parsed = route.parse(body, headers, request_id)
+            else:
+                loop = asyncio.get_running_loop()
+                parsed = await loop.run_in_executor(self._workers, route.parse, body, headers, request_id)
+        except GenerationError as error:
+            record = self._telemetry.begin(route.operation, metadata, received)
+            record.identified(self._callers.identify(metadata).name)
+            record.refused(error)
+            await _respond(send, _refusal(error))
+            return
+        events: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
+        try:
+            admitted = await self._admission.admit(
+                route.operation,
+                metadata,
+                DecodedRequest(parsed.spec, parsed.name_fields),
+                received=received,
+                call_deadline=None,
+                on_event=events.put_nowait,
+            )
+        except GenerationError as error:
+            await _respond(send, http_error(error))
+            return
+        watcher = asyncio.create_task(_watch_disconnect(receive, admitted, events))
+        try:
+            model = admitted_model(parsed, self._registry)
+            identity = responses.Identity(parsed.spec.request_id, int(time.time()), model, parsed.chat)
+            if parsed.stream:
+                await _stream(identity, parsed, events, watcher, send)
+            else:
+                await _whole(identity, parsed, events, watcher, send)
+        finally:
+            watcher.cancel()
+
+    async def _read_body(self, metadata: list[tuple[str, str]], received: float, receive: Receive) -> bytes:
+        """The whole body, within its byte bound and the body deadline. Raises GenerationError
+        for a body too large (413) or too slow (408), _ClientGoneError for a client gone away."""
+        limit = self._max_body_bytes
+        declared = next((value for name, value in metadata if name == "content-length"), None)
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise _too_large(int(declared), limit)
+        deadline = received + self._body_timeout
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            remaining = deadline - self._clock()
+            try:
+                if remaining <= 0:
+                    raise TimeoutError
+                message = await asyncio.wait_for(receive(), remaining)
+            except TimeoutError:
+                raise GenerationError(
+                    ErrorKind.DEADLINE_EXCEEDED,
+                    f"the request body did not arrive within {self._body_timeout:g}s (--http-body-timeout)",
+                    reason="BODY_TIMEOUT",
+                ) from None
+            if message["type"] == "http.disconnect":
+                raise _ClientGoneError
+            chunk: bytes = message.get("body", b"")
+            size += len(chunk)
+            if size > limit:
+                raise _too_large(size, limit, at_least=True)
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+def admitted_model(parsed: ParsedRequest, registry: ModelRegistry) -> str:
+    """The served model's name: the one asked for, or the default (admission resolved it)."""
+    return parsed.spec.model or registry.default.name
+
+
+async def _watch_disconnect(
+    receive: Receive, admitted: Admitted, events: asyncio.Queue[EngineEvent | None]
+) -> None:
+    # After the body, uvicorn's receive() returns only when the client has gone (or the
+    # response is complete, by which time this task has been cancelled).
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            admitted.stop(AbortReason.DISCONNECTED)
+            events.put_nowait(None)
+            return
+
+
+async def _whole(
+    identity: responses.Identity,
+    parsed: ParsedRequest,
+    events: asyncio.Queue[EngineEvent | None],
+    watcher: asyncio.Task[None],
+    send: Send,
+) -> None:
+    while True:
+        event = await events.get()
+        if event is None:
+            return
+        if isinstance(event, Completed):
+            watcher.cancel()
+            await _respond(
+                send, _ok(responses.completion(identity, event.result, logprobs=parsed.spec.logprobs))
+            )
+            return
+        if isinstance(event, Failed):
+            watcher.cancel()
+            await _respond(send, http_error(event.error))
+            return
+
+
+async def _stream(
+    identity: responses.Identity,
+    parsed: ParsedRequest,
+    events: asyncio.Queue[EngineEvent | None],
+    watcher: asyncio.Task[None],
+    send: Send,
+) -> None:
+    writer = responses.ChunkWriter(
+        identity, logprobs=parsed.spec.logprobs, include_usage=parsed.include_usage
+    )
+    first = await events.get()
+    if first is None:
+        return
+    if isinstance(first, Failed):  # nothing sent yet: a plain error response with its status
+        watcher.cancel()
+        await _respond(send, http_error(first.error))
+        return
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 200,
+            "headers": [
+                (b"content-type", EVENT_STREAM),
+                (b"cache-control", b"no-cache"),
+                (b"x-request-id", identity.id.encode()),
+            ],
+        }
+    )
+    opening = writer.opening()
+    event: EngineEvent | None = first
+    while True:
+        if event is None:
+            return
+        if isinstance(event, Started | TokensGenerated):
+            data = opening + (
+                writer.tokens(event.text, event.logprobs) if isinstance(event, TokensGenerated) else b""
+            )
+            opening = b""
+            if data:
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+        elif isinstance(event, Completed):
+            watcher.cancel()
+            await send({"type": "http.response.body", "body": opening + writer.closing(event.result)})
+            return
+        elif isinstance(event, Failed):
+            watcher.cancel()
+            data = opening + responses.error_event(error_object(event.error))
+            await send({"type": "http.response.body", "body": data})
+            return
+        event = await events.get()
+
+
+def _refusal(error: GenerationError) -> HttpResponse:
+    if error.reason == "BODY_TOO_LARGE":  # bad input, not load: the client must send less
+        refusal = {**error_object(error), "type": "invalid_request_error"}
+        return HttpResponse(413, json.dumps({"error": refusal}).encode())
+    if error.reason == "BODY_TIMEOUT":
+        return HttpResponse(408, http_error(error).body, ((b"connection", b"close"),))
+    return http_error(error)
+
+
+def _too_large(size: int, limit: int, *, at_least: bool = False) -> GenerationError:
+    amount = f"at least {size}" if at_least else str(size)
+    return GenerationError(
+        ErrorKind.RESOURCE_EXHAUSTED,
+        f"the request body is {amount} bytes, more than {limit} (--max-receive-message-bytes)",
+        reason="BODY_TOO_LARGE",
+    )
+
+
+def _method_not_allowed(allowed: str) -> HttpResponse:
+    error = plain_error(405, "invalid_request_error", f"use {allowed}", "method_not_allowed")
+    return HttpResponse(error.status, error.body, ((b"allow", allowed.encode()),))
+
+
+def _ok(body: bytes) -> HttpResponse:
+    return HttpResponse(200, body)
+
+
+async def _respond(send: Send, response: HttpResponse, content_type: bytes = JSON) -> None:
+    headers = [
+        (b"content-type", content_type),
+        (b"content-length", str(len(response.body)).encode()),
+        *response.headers,
+    ]
+    await send({"type": "http.response.start", "status": response.status, "headers": headers})
+    await send({"type": "http.response.body", "body": response.body})

@@ -1,0 +1,199 @@
+"""Engine results and events -> OpenAI's JSON objects and server-sent-event chunks.
+
+Besides OpenAI's own fields, every completion (and a stream's last chunk) carries tokenwire's
+timing as an extension member, all in seconds from the moment the request was received:
+
+    "tokenwire": {"timing": {"queued": ..., "time_to_first_token": ..., "prefill": ...,
+                             "total": ..., "decode_tokens_per_second": ...}}
+
+A stage the request never reached is null. OpenAI's SDKs keep unknown members, so a client
+reads it as `completion.tokenwire` (Python) or `completion["tokenwire"]` (Node).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenwire.server.engine.types import FinishReason, GenerationResult, TimingReport, TokenLogprobs
+
+EXTENSION = "tokenwire"
+DONE = b"data: [DONE]\n\n"
+
+_FINISH_REASONS = {
+    FinishReason.EOS: "stop",
+    FinishReason.STOP: "stop",
+    FinishReason.LENGTH: "length",
+    FinishReason.CANCELLED: "stop",  # only a client that has gone away is cancelled: nobody reads it
+}
+
+
+@dataclass(frozen=True)
+class Identity:
+    """What every object of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+    chat: bool
+
+
+def timing(report: TimingReport) -> dict[str, object]:
+    return {
+        "queued": report.queued,
+        "time_to_first_token": report.time_to_first_token,
+        "prefill": report.prefill,
+        "paced": report.paced,
+        "total": report.total,
+        "decode_tokens_per_second": report.decode_tokens_per_second,
+    }
+
+
+def usage(result: GenerationResult) -> dict[str, object]:
+    return {
+        "prompt_tokens": result.prompt_tokens,
+        "completion_tokens": result.completion_tokens,
+        "total_tokens": result.prompt_tokens + result.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens},
+    }
+
+
+def completion(identity: Identity, result: GenerationResult, *, logprobs: bool) -> bytes:
+    """The whole answer of a request that did not stream."""
+    choice: dict[str, object] = {"index": 0, "finish_reason": _FINISH_REASONS[result.finish_reason]}
+    if identity.chat:
+        choice["message"] = {"role": "assistant", "content": result.text}
+        choice["logprobs"] = chat_logprobs(result.logprobs) if logprobs else None
+    else:
+        choice["text"] = result.text
+        choice["logprobs"] = completion_logprobs(result.logprobs, 0) if logprobs else None
+    body = {
+        **_head(identity, chunk=False),
+        "choices": [choice],
+        "usage": usage(result),
+        EXTENSION: {"timing": timing(result.timing)},
+    }
+    return json.dumps(body).encode()
+
+
+class ChunkWriter:
+    """The server-sent events of one streamed response, in OpenAI's chunk format."""
+
+    def __init__(self, identity: Identity, *, logprobs: bool, include_usage: bool) -> None:
+        self._identity = identity
+        self._logprobs = logprobs
+        self._include_usage = include_usage
+        self._text_offset = 0
+
+    def opening(self) -> bytes:
+        """Chat's first chunk names the role; completions have none."""
+        if not self._identity.chat:
+            return b""
+        return self._event(self._choice({"role": "assistant", "content": ""}, None, None))
+
+    def tokens(self, text: str, logprobs: Sequence[TokenLogprobs]) -> bytes:
+        if not text and not logprobs:
+            return b""
+        if self._identity.chat:
+            choice = self._choice(
+                {"content": text}, chat_logprobs(logprobs) if self._logprobs else None, None
+            )
+        else:
+            choice = self._choice(
+                text,
+                completion_logprobs(logprobs, self._text_offset) if self._logprobs else None,
+                None,
+            )
+            self._text_offset += len(text)
+        return self._event(choice)
+
+    def closing(self, result: GenerationResult) -> bytes:
+        """The finish reason, the usage chunk when asked for, then [DONE]; timing on the last."""
+        extension: dict[str, object] = {EXTENSION: {"timing": timing(result.timing)}}
+        finish = self._choice({} if self._identity.chat else "", None, _FINISH_REASONS[result.finish_reason])
+        if not self._include_usage:
+            return self._event(finish, extension) + DONE
+        last = {"choices": [], "usage": usage(result), **extension}
+        return self._event(finish) + self._frame({**_head(self._identity, chunk=True), **last}) + DONE
+
+    def _choice(self, delta: object, logprobs: object, finish: str | None) -> dict[str, object]:
+        choice: dict[str, object] = {"index": 0}
+        if self._identity.chat:
+            choice["delta"] = delta
+        else:
+            choice["text"] = delta
+        choice["logprobs"] = logprobs
+        choice["finish_reason"] = finish
+        return choice
+
+    def _event(self, choice: dict[str, object], extra: dict[str, object] | None = None) -> bytes:
+        body: dict[str, object] = {**_head(self._identity, chunk=True), "choices": [choice]}
+        if self._include_usage:
+            body["usage"] = None
+        if extra:
+            body.update(extra)
+        return self._frame(body)
+
+    @staticmethod
+    def _frame(body: dict[str, object]) -> bytes:
+        return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+def error_event(error: dict[str, object]) -> bytes:
+    """A failure after the stream began: OpenAI's SDKs raise on an event with an `error` member."""
+    return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
+
+
+def chat_logprobs(items: Sequence[TokenLogprobs]) -> dict[str, object]:
+    return {
+        "content": [
+            {
+                "token": item.token,
+                "logprob": item.logprob,
+                "bytes": list(item.token.encode()),
+                "top_logprobs": [
+                    {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+                    for _, text, logprob in item.top
+                ],
+            }
+            for item in items
+        ]
+    }
+
+
+def completion_logprobs(items: Sequence[TokenLogprobs], offset: int) -> dict[str, object]:
+    """The legacy completions layout: parallel lists, alternatives as {token: logprob}."""
+    offsets: list[int] = []
+    for item in items:
+        offsets.append(offset)
+        offset += len(item.token)
+    return {
+        "tokens": [item.token for item in items],
+        "token_logprobs": [item.logprob for item in items],
+        "top_logprobs": [{text: logprob for _, text, logprob in item.top} for item in items],
+        "text_offset": offsets,
+    }
+
+
+def models_list(names: Sequence[str], created: int) -> bytes:
+    return json.dumps({"object": "list", "data": [model_object(name, created) for name in names]}).encode()
+
+
+def model_object(name: str, created: int) -> dict[str, object]:
+    return {"id": name, "object": "model", "created": created, "owned_by": "tokenwire"}
+
+
+def model_json(name: str, created: int) -> bytes:
+    return json.dumps(model_object(name, created)).encode()
+
+
+def _head(identity: Identity, *, chunk: bool) -> dict[str, object]:
+    kind = ("chat.completion.chunk" if chunk else "chat.completion") if identity.chat else "text_completion"
+    return {
+        "id": identity.id,
+        "object": kind,
+        "created": identity.created,
+        "model": identity.model,
+        "system_fingerprint": None,
+    }
