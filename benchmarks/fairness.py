@@ -18,13 +18,14 @@ model for the cores; the server's work on the flood's requests still does). The 
 measures every TTFT; the script reports the quiet caller's p50 and p99 in both phases, the ratio
 of the p99s (target: at most 2), and how the flood's requests ended.
 
-    python benchmarks/fairness.py [--repetitions 40]
+    python benchmarks/fairness.py [--repetitions 40] [--baseline ../tokenwire-before] [--only-shipped]
 
 (`--repetitions` is the number of quiet requests per phase.)
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import itertools
 import multiprocessing
@@ -148,18 +149,30 @@ VARIANTS: dict[str, tuple[tuple[str, ...], bool]] = {
 
 
 def main() -> None:
-    count = benchkit.command_line(__doc__, repetitions=40).repetitions
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--repetitions", type=int, default=40)
+    parser.add_argument("--baseline", type=Path, help="another checkout, run as shipped beside this one")
+    parser.add_argument("--only-shipped", action="store_true", help="only the as-shipped variants")
+    args = parser.parse_args()
+    count = args.repetitions
+    variants: dict[str, tuple[tuple[str, ...], bool, Path | None]] = {
+        name: (flags, apart, None)
+        for name, (flags, apart) in VARIANTS.items()
+        if not args.only_shipped or name == "as shipped (preemption on)"
+    }
+    if args.baseline is not None:
+        variants[f"as shipped, {args.baseline.name}"] = ((), False, args.baseline.resolve())
     directory = benchkit.model_dir()
     prompts = Prompts(directory)
     found: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         tokens = Path(scratch) / "tokens"
         tokens.write_text(f"flood {FLOOD_TOKEN}\nquiet {QUIET_TOKEN}\n")
-        for name, (flags, apart) in VARIANTS.items():
+        for name, (flags, apart, code) in variants.items():
             benchkit.wait_for_quiet()
             extra = ("--auth-tokens-file", str(tokens), *flags)
             with benchkit.ServerProcess(
-                directory, max_batch_size=SLOTS, max_queue_size=QUEUE, extra=extra
+                directory, max_batch_size=SLOTS, max_queue_size=QUEUE, extra=extra, code=code
             ) as server:
                 found[name] = asyncio.run(run(server.target, directory, prompts, count, apart=apart))
     rows = []

@@ -1,7 +1,7 @@
 """Stall-free prefill, before and after, on one machine in one run.
 
-"Before" is a checkout of tokenwire without stall-free pacing (`--baseline DIR`, served through
-PYTHONPATH; without it, this checkout with `--no-stall-free`); "after" is this checkout as it
+"Before" is another checkout of tokenwire with the same settings (`--baseline DIR`, served
+through PYTHONPATH), or else this checkout with `--no-stall-free`; "after" is this checkout as it
 ships. Prefix caching is off on the "after" servers (`--prefix-cache-mb 0`): the same seed sends
 the same prompts every repetition, and hits would flatter the second one. Workloads, with
 `tokenwire bench`'s own load generator:
@@ -139,13 +139,14 @@ def main() -> None:
     if args.only:
         wanted = set(args.only.split(","))
         workloads = [w for w in workloads if w.name in wanted]
+    after: dict[str, Any] = {"code": None, "extra": ("--prefix-cache-mb", "0")}
     if args.baseline is not None:
-        before: dict[str, Any] = {"code": args.baseline.resolve(), "extra": ()}
+        # Another version of the code with the same settings: what changed is the code alone.
+        before: dict[str, Any] = {"code": args.baseline.resolve(), "extra": after["extra"]}
         before_label = f"before ({args.baseline.name})"
     else:
         before = {"code": None, "extra": ("--no-stall-free", "--prefix-cache-mb", "0")}
         before_label = "before (--no-stall-free)"
-    after: dict[str, Any] = {"code": None, "extra": ("--prefix-cache-mb", "0")}
     sides = {"before": before, "after": after}
     for value in [v for v in args.sweep.split(",") if v]:
         sides[f"max-step-ms {value}"] = {
