@@ -149,7 +149,9 @@ VARIANTS: dict[str, tuple[tuple[str, ...], bool]] = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--repetitions", type=int, default=40)
     parser.add_argument("--baseline", type=Path, help="another checkout, run as shipped beside this one")
     parser.add_argument("--only-shipped", action="store_true", help="only the as-shipped variants")

@@ -197,3 +197,40 @@ async def test_json_schema_and_json_object_response_formats_shape_the_output(
         assert isinstance(json.loads(anything.choices[0].message.content or ""), dict)
     else:
         assert (anything.choices[0].message.content or "").lstrip().startswith("{")
+
+
+async def test_logit_bias_and_penalties_steer_tokens_as_on_grpc(http_server: TokenwireServer) -> None:
+    bias = {17: 100.0}
+    async with async_client(http_server) as client:
+        forced = await client.completions.create(
+            model="tiny",
+            prompt="The capital of France is",
+            max_tokens=6,
+            temperature=0,
+            logit_bias={"17": 100},
+        )
+        penalized = await client.completions.create(
+            model="tiny",
+            prompt="The capital of France is",
+            max_tokens=12,
+            temperature=0,
+            presence_penalty=1.5,
+            frequency_penalty=0.5,
+        )
+    async with AsyncClient(f"127.0.0.1:{http_server.port}", retries=False) as grpc_client:
+        reference = await grpc_client.generate(
+            "The capital of France is",
+            GenerateOptions(
+                sampling=Sampling(temperature=0.0, presence_penalty=1.5, frequency_penalty=0.5),
+                stopping=Stopping(max_new_tokens=12),
+            ),
+        )
+        forced_reference = await grpc_client.generate(
+            "The capital of France is",
+            GenerateOptions(
+                sampling=Sampling(temperature=0.0, logit_bias=bias), stopping=Stopping(max_new_tokens=6)
+            ),
+        )
+    assert forced_reference.token_ids == (17,) * 6  # +100 forces the token at every step
+    assert forced.choices[0].text == forced_reference.text
+    assert penalized.choices[0].text == reference.text

@@ -156,22 +156,34 @@ def parse_completion(body: bytes, headers: Mapping[str, str], request_id: str) -
 
 
 def refuse_unwired_parameters(fields: Mapping[str, Any]) -> None:
-    """n, logit_bias and the presence/frequency penalties: their defaults only, for now.
+    """n: its default only, for now.
 
-    The engine does not yet sample several choices or bias and penalize tokens by count; these
-    are refused with a 400 naming the parameter rather than ignored, so a client never gets a
-    sample it did not ask for. Wiring one is replacing its check with a RequestSpec field.
+    The engine does not yet sample several choices from one prompt; n is refused with a 400
+    naming it rather than ignored, so a client never gets fewer choices than it asked for.
     """
     n = fields.get("n")
     if n is not None and (_is_bool(n) or n != 1):
         raise bad("n", "only 1 choice per request is served")
-    logit_bias = fields.get("logit_bias")
-    if logit_bias is not None and logit_bias != {}:
-        raise bad("logit_bias", "not served yet: leave it empty")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = fields.get(name)
-        if value is not None and (_is_bool(value) or value != 0):
-            raise bad(name, "not served yet: leave it 0")
+
+
+def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, an object of token ids (as strings) to biases, as the engine's pairs.
+
+    The body's size bounds its size here (it is parsed JSON already); the count, the ids' range
+    and the biases' bounds are the validator's, as on gRPC, which names each bad entry logit_bias[ID].
+    """
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad("logit_bias", "must be an object of token ids to biases")
+    pairs = []
+    for key, bias in value.items():
+        if not isinstance(key, str) or not key.isascii() or not key.isdigit():
+            raise bad(f"logit_bias[{excerpt(str(key), 24)}]", "a token id must be a non-negative integer")
+        if _is_bool(bias) or not isinstance(bias, int | float):
+            raise bad(f"logit_bias[{key}]", "the bias must be a number")
+        pairs.append((int(key), float(bias)))
+    return tuple(pairs)
 
 
 def _finish(
@@ -209,6 +221,9 @@ def _finish(
         response_format=_response_format(fields.get("response_format")),
         priority=_priority(headers.get(PRIORITY_HEADER)),
         timeout=_timeout(headers.get(TIMEOUT_HEADER)),
+        logit_bias=_logit_bias(fields.get("logit_bias")),
+        presence_penalty=_optional_number(fields, "presence_penalty") or 0.0,
+        frequency_penalty=_optional_number(fields, "frequency_penalty") or 0.0,
     )
     renames = {
         **renames,
