@@ -18,6 +18,8 @@ class Entry:
     caller: Caller
     priority: Priority = Priority.DEFAULT
     ready: bool = True
+    work: int = 1
+    queued_tokens: int = 0
 
 
 def drain(queue: FairQueue[Entry]) -> list[str]:
@@ -142,3 +144,47 @@ def test_callers_at_a_priority_are_those_with_a_ready_request_there() -> None:
     queue.push(Entry("f", FLOOD, Priority.BATCH))
     assert queue.callers_at(Priority.DEFAULT) == {"search": 3}
     assert queue.callers_at(Priority.BATCH) == {"flood": 1}
+
+
+def test_callers_share_turns_by_the_work_they_ask_for_not_by_requests() -> None:
+    queue: FairQueue[Entry] = FairQueue()
+    long_prompts, short_prompts = Caller("long"), Caller("short")
+    for i in range(20):
+        queue.push(Entry(f"l{i}", long_prompts, work=400))
+        queue.push(Entry(f"s{i}", short_prompts, work=100))
+    first_twenty = drain(queue)[:20]
+    # Each long request asks four times a short one's work: four short turns for every long one.
+    assert sum(name.startswith("s") for name in first_twenty) == 16
+    assert sum(name.startswith("l") for name in first_twenty) == 4
+
+
+def test_weights_scale_the_work_a_caller_is_served() -> None:
+    queue: FairQueue[Entry] = FairQueue()
+    for i in range(12):
+        queue.push(Entry(f"s{i}", SEARCH, work=300))  # weight 3, three times the work
+        queue.push(Entry(f"r{i}", REPORTS, work=100))
+    first_twelve = drain(queue)[:12]
+    # Work over weight is equal for both, so they alternate.
+    assert sum(name.startswith("s") for name in first_twelve) == 6
+
+
+def test_queued_tokens_are_counted_per_caller_and_in_all_until_each_entry_leaves() -> None:
+    queue: FairQueue[Entry] = FairQueue()
+    a = Entry("a", FLOOD, queued_tokens=300)
+    b = Entry("b", FLOOD, queued_tokens=200)
+    c = Entry("c", REPORTS, queued_tokens=50)
+    for entry in (a, b, c):
+        queue.push(entry)
+    assert (queue.queued_tokens, queue.queued_tokens_by("flood"), queue.queued_tokens_by("reports")) == (
+        550,
+        500,
+        50,
+    )
+
+    a.queued_tokens = 0  # what it is when it leaves does not matter: what it added is taken back
+    queue.take(a)
+    assert (queue.queued_tokens, queue.queued_tokens_by("flood")) == (250, 200)
+    queue.remove(c)
+    assert (queue.queued_tokens, queue.queued_tokens_by("reports")) == (200, 0)
+    queue.clear()
+    assert (queue.queued_tokens, queue.queued_tokens_by("flood")) == (0, 0)

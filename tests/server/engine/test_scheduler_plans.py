@@ -48,6 +48,7 @@ class Requests:
         name: str,
         *,
         prompt: int = 8,
+        new_tokens: int = 16,
         caller: Caller | None = None,
         priority: Priority = Priority.DEFAULT,
         deadline: float | None = None,
@@ -58,7 +59,7 @@ class Requests:
             model="m",
             prompt_ids=tuple(range(1, prompt + 1)),
             sampling=SamplingParams(),
-            stopping=StopConditions(max_new_tokens=16),
+            stopping=StopConditions(max_new_tokens=new_tokens),
             received_at=NOW,
             deadline=deadline,
             caller=caller or Caller("anonymous"),
@@ -82,6 +83,7 @@ def scheduler(
     stall_free: bool = True,
     reserved: int = 1,
     preemption: bool = True,
+    queued_tokens: int = 0,
 ) -> tuple[Scheduler, Requests]:
     built = Scheduler(
         SchedulerConfig(
@@ -92,6 +94,7 @@ def scheduler(
             max_step_seconds=None,
             batch_reserved_slots=reserved,
             preemption=preemption,
+            max_queued_tokens=queued_tokens,
         )
     )
     return built, Requests(built)
@@ -254,6 +257,72 @@ def test_a_full_queue_refuses_a_caller_over_its_share_but_not_one_under_it() -> 
     r.add("q", caller=Caller("quiet"))
     over = s.refusal(flood, live=4)
     assert over is not None and over.reason == "CALLER_OVER_SHARE"
+
+
+def test_prompt_tokens_over_the_queued_token_bound_are_refused_naming_tokens() -> None:
+    s, r = scheduler(slots=1, queue=8, queued_tokens=100)
+    flood, quiet = Caller("flood"), Caller("quiet")
+    r.add("running", prompt=8, caller=flood)
+    s.schedule(NOW)
+    r.add("f0", prompt=60, caller=flood)
+
+    assert s.refusal(flood, live=2, prompt_tokens=40) is None  # 100 waiting: at the bound, not over
+    refused = s.refusal(flood, live=2, prompt_tokens=41)
+    assert refused is not None
+    assert refused.kind is ErrorKind.RESOURCE_EXHAUSTED and refused.reason == "QUEUED_TOKENS_FULL"
+    assert "60 prompt tokens" in str(refused) and "--max-queued-tokens" in str(refused)
+    # One waiting and itself, one slot: two batches of one second's service each.
+    assert refused.retry_after == pytest.approx(2.0)
+    # A caller under its share of the tokens (half of 100 with two callers) still gets in.
+    assert s.refusal(quiet, live=2, prompt_tokens=90) is None
+
+    r.add("q", prompt=90, caller=quiet)
+    over = s.refusal(flood, live=3, prompt_tokens=10)
+    assert over is not None and over.reason == "CALLER_OVER_TOKEN_SHARE"
+    # Past twice the bound, even a caller under its share waits.
+    assert s.refusal(Caller("third"), live=3, prompt_tokens=50) is None
+    full = s.refusal(Caller("third"), live=3, prompt_tokens=51)
+    assert full is not None and full.reason == "QUEUED_TOKENS_FULL"
+
+
+def test_the_token_bound_never_refuses_a_request_with_a_free_slot_or_an_empty_queue() -> None:
+    s, r = scheduler(slots=2, queue=8, queued_tokens=100)
+    assert s.refusal(Caller("a"), live=0, prompt_tokens=5000) is None  # a free slot
+    r.add("running", prompt=8)
+    r.add("also running", prompt=8)
+    s.schedule(NOW)
+    # Nothing waits ahead of it: refusing a prompt longer than the bound would refuse it forever.
+    assert s.refusal(Caller("a"), live=2, prompt_tokens=5000) is None
+    assert scheduler(slots=1, queue=8)[0].refusal(Caller("a"), live=1, prompt_tokens=10**6) is None
+
+
+def test_a_caller_sending_long_prompts_gets_fewer_turns_than_one_sending_short_ones_in_proportion() -> None:
+    s, r = scheduler(slots=1, queue=64)
+    long_prompts, short_prompts = Caller("long"), Caller("short")
+    for i in range(10):
+        r.add(f"l{i}", prompt=400, new_tokens=16, caller=long_prompts)  # 416 tokens of work
+        r.add(f"s{i}", prompt=88, new_tokens=16, caller=short_prompts)  # 104: a quarter of it
+    turns = []
+    for _ in range(10):
+        plan = s.schedule(NOW)
+        turns.extend(r.names(plan.admitted))
+        s.update(RoundOutcome(finished=[Finished(key, service_seconds=1.0) for key in plan.admitted]))
+
+    assert sum(name.startswith("s") for name in turns) == 8
+    assert sum(name.startswith("l") for name in turns) == 2
+
+
+def test_prompt_work_goes_first_to_the_caller_holding_the_least_work_for_its_weight() -> None:
+    s, r = scheduler(slots=3)
+    long_prompts, short_prompts = Caller("long"), Caller("short")
+    r.add("long", prompt=1000, caller=long_prompts)
+    r.add("short0", prompt=50, caller=short_prompts)
+    r.add("short1", prompt=50, caller=short_prompts)
+
+    plan = s.schedule(NOW)
+
+    # Two short prompts hold less work than one long one, though they hold more slots.
+    assert r.names(plan.prompts.order) == ["short0", "short1", "long"]
 
 
 def test_a_caller_s_own_queue_limit_refuses_before_the_queue_is_full() -> None:

@@ -118,6 +118,7 @@ class Engine:
             SchedulerConfig(
                 slots=slots,
                 max_queue_size=config.max_queue_size,
+                max_queued_tokens=config.max_queued_tokens,
                 prefill_chunk_size=config.prefill_chunk_size,
                 stall_free=config.stall_free,
                 max_step_seconds=config.max_step_seconds,
@@ -183,7 +184,9 @@ class Engine:
                     "the model's engine has stopped; retry elsewhere",
                     reason="SHUTDOWN",
                 )
-            refusal = self._scheduler.refusal(request.caller, live=len(self._inbox.live))
+            refusal = self._scheduler.refusal(
+                request.caller, live=len(self._inbox.live), prompt_tokens=len(request.prompt_ids)
+            )
             if refusal is not None:
                 self._inbox.rejected += 1
                 raise refusal

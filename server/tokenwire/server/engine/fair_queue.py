@@ -1,16 +1,21 @@
-"""The queue of requests waiting for a slot: by priority, then fairly between callers.
+"""The queue of requests waiting for a slot: by priority, then fairly between callers by work.
 
-A higher priority is always served first. Within a priority, callers take turns in proportion
-to their weights (weighted fair queueing with one unit of cost per request, kept as stride
-scheduling: each caller has a virtual pass that grows by 1/weight per request admitted, and the
-caller with the lowest pass goes next). A caller that starts queueing joins at the current
-virtual time, so being idle earns no credit to flood with later. Within a caller, requests keep
-their order, except that a request that is not ready yet (its response format still compiling)
-lets the caller's next ready one go first.
+A higher priority is always served first. Within a priority, callers share the engine in
+proportion to their weights, counted in the work their requests ask for, not in turns
+(weighted fair queueing kept as stride scheduling: each caller has a virtual pass that grows by
+the request's work over the caller's weight when the request takes a slot, and the caller with
+the lowest pass goes next). Work is `shares.work`: the prompt tokens still to prefill plus the
+tokens it may still generate, so a caller sending 1,000-token prompts gets about a tenth of the
+turns of one sending 100-token prompts, and the same part of the engine's time. A swapped-out
+generation that resumes is charged the work it has left. A caller that starts queueing joins at
+the current virtual time, so being idle earns no credit to flood with later. Within a caller,
+requests keep their order, except that a request that is not ready yet (its response format
+still compiling) lets the caller's next ready one go first.
 
-Also answers what admission control asks: how many requests a caller has queued and what its
-weighted share of the queue is among the callers queueing now; and what preemption asks: who
-would go next, and which callers are queueing at a priority.
+Also answers what admission control asks: how many requests and prompt tokens a caller has
+queued, the prompt tokens queued in all, and a caller's weighted share of a capacity among the
+callers queueing now; and what preemption asks: who would go next, and which callers are
+queueing at a priority.
 """
 
 from __future__ import annotations
@@ -34,6 +39,16 @@ class Queued(Protocol):
     @property
     def ready(self) -> bool: ...
 
+    @property
+    def work(self) -> int:
+        """What its caller's pass is charged (over its weight) when it takes a slot."""
+        ...
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens it counts toward the queue's token bound while it waits."""
+        ...
+
 
 E = TypeVar("E", bound=Queued)
 
@@ -55,6 +70,11 @@ class FairQueue(Generic[E]):
         }
         self._weights: dict[str, float] = {}
         self._queued: dict[str, int] = {}
+        self._tokens_by: dict[str, int] = {}
+        self._counted_tokens: dict[int, int] = {}
+        """Each queued entry's tokens as counted when it was queued (by id), so taking it out
+        subtracts the same figure whatever it has become since."""
+        self._tokens = 0
         self._size = 0
 
     def __len__(self) -> int:
@@ -98,7 +118,7 @@ class FairQueue(Generic[E]):
         name = entry.caller.name
         pass_ = level.passes[name]
         level.virtual_time = max(level.virtual_time, pass_)
-        level.passes[name] = pass_ + 1.0 / max(entry.caller.weight, 1e-6)
+        level.passes[name] = pass_ + entry.work / max(entry.caller.weight, 1e-6)
         self._discard(level, name, entry)
 
     def remove(self, entry: E) -> None:
@@ -116,11 +136,22 @@ class FairQueue(Generic[E]):
             level.virtual_time = 0.0
         self._weights.clear()
         self._queued.clear()
+        self._tokens_by.clear()
+        self._counted_tokens.clear()
+        self._tokens = 0
         self._size = 0
         return everything
 
     def queued_by(self, caller: str) -> int:
         return self._queued.get(caller, 0)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens waiting, all callers together."""
+        return self._tokens
+
+    def queued_tokens_by(self, caller: str) -> int:
+        return self._tokens_by.get(caller, 0)
 
     def callers_at(self, priority: Priority) -> dict[str, float]:
         """The weight of each caller with a ready request queued at `priority`."""
@@ -162,6 +193,9 @@ class FairQueue(Generic[E]):
         name = entry.caller.name
         self._weights[name] = entry.caller.weight
         self._queued[name] = self._queued.get(name, 0) + 1
+        tokens = self._counted_tokens[id(entry)] = entry.queued_tokens
+        self._tokens_by[name] = self._tokens_by.get(name, 0) + tokens
+        self._tokens += tokens
         self._size += 1
 
     def _discard(self, level: _Level[E], name: str, entry: E) -> None:
@@ -171,10 +205,14 @@ class FairQueue(Generic[E]):
             # An idle caller keeps no pass: it rejoins at the virtual time of its return.
             del level.queues[name]
             del level.passes[name]
+        tokens = self._counted_tokens.pop(id(entry))
+        self._tokens -= tokens
         left = self._queued[name] - 1
         if left:
             self._queued[name] = left
+            self._tokens_by[name] -= tokens
         else:
             del self._queued[name]
+            del self._tokens_by[name]
             del self._weights[name]
         self._size -= 1

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import TYPE_CHECKING
 
+from tokenwire.server.engine.shares import work
 from tokenwire.server.engine.types import Caller, EventSink, GenerationRequest, Priority
 
 if TYPE_CHECKING:  # a compiled format is opaque here: the scheduler only waits for it
@@ -86,6 +87,18 @@ class Request:
     @property
     def prompt_remaining(self) -> int:
         return max(0, self.prompt_length - self.computed_tokens)
+
+    @property
+    def work(self) -> int:
+        """The work still ahead of it (shares.work): what its caller's turn is charged when it
+        takes a slot, and what it weighs while it holds one."""
+        return work(self.prompt_remaining, self.spec.stopping.max_new_tokens - self.generated_tokens)
+
+    @property
+    def queued_tokens(self) -> int:
+        """Prompt tokens it would add to the queue's bound: none once its prompt is done (a
+        swapped-out generation)."""
+        return self.prompt_remaining
 
     @property
     def swappable(self) -> bool:

@@ -7,15 +7,17 @@ build requests by hand and check plans.
 
 What it decides:
 - **Queue admission**: a request is refused when its caller is at its own limit, or when the
-  queue is full and the caller already holds its weighted share of it (so one caller's flood
-  cannot lock out the others).
-- **Slots**: the fair queue (fair_queue.py) gives free slots by priority, then in weighted turns
-  between callers. BATCH requests leave `batch_reserved_slots` to the others.
+  queue is full, in requests or in prompt tokens (`max_queued_tokens`), and the caller already
+  holds its weighted share of it, counted the same way (so one caller's flood, of many requests
+  or of long prompts, cannot lock out the others).
+- **Slots**: the fair queue (fair_queue.py) gives free slots by priority, then between callers
+  in proportion to their weights, counted in work (shares.work: prompt tokens plus tokens to
+  generate), not turns. BATCH requests leave `batch_reserved_slots` to the others.
 - **Preemption**: when every slot is busy, a waiting request owed one takes one at the next step:
   BATCH work gives way to more urgent work, and within a priority the caller furthest over its
   share of the slots gives way to one under its share. At most one a round.
 - **Prompt work**: stall-free pacing (pacing.py) sizes the round's prompt budget; it goes to the
-  most urgent priority first, then to the caller holding the fewest slots for its weight.
+  most urgent priority first, then to the caller holding the least work in slots for its weight.
 - **Endings**: aborts and passed deadlines end requests at the round's start.
 
 Not thread-safe: the engine calls it under its lock, from the engine thread (planning and taking
@@ -59,6 +61,8 @@ class SchedulerConfig:
     batch_reserved_slots: int
     preemption: bool
     """Whether a running generation may be swapped out (the runner can copy its KV rows)."""
+    max_queued_tokens: int = 0
+    """Most prompt tokens waiting for a slot, all callers together; 0: no bound."""
 
 
 @dataclass(frozen=True)
@@ -122,42 +126,79 @@ class Scheduler:
 
     # -- queueing (event loop, under the engine's lock) ------------------------------------------
 
-    def refusal(self, caller: Caller, *, live: int) -> GenerationError | None:
-        """Why a request of `caller` cannot queue now (`live` requests are in the engine), or None.
+    def refusal(self, caller: Caller, *, live: int, prompt_tokens: int = 0) -> GenerationError | None:
+        """Why a request of `caller` with `prompt_tokens` cannot queue now (`live` requests are in
+        the engine), or None.
 
         A caller with its own limit stops there. When the queue is full, a caller holding less
         than its weighted share of it (among the callers queueing now) still gets in, so one
         caller's flood cannot lock out the others; the queue may then run over its size by the
-        shares of those callers, and never beyond twice its size.
+        shares of those callers, and never beyond twice its size. The prompt tokens waiting are
+        bounded the same way, by tokens: a request that would take them over `max_queued_tokens`
+        gets in only while its caller holds less than its share of them. A request that finds a
+        free slot, or an empty queue, is never refused for its tokens, so a prompt longer than
+        the bound still runs once nothing waits ahead of it.
         """
-        waiting = self._waiting
-        queued = waiting.queued_by(caller.name)
-        size = self._config.max_queue_size
-        reason = message = None
-        if caller.max_queued is not None and queued >= caller.max_queued:
-            reason = "CALLER_QUEUE_FULL"
-            message = f"caller {caller.name!r} already has {queued} requests waiting, its limit"
-        elif live >= self._slots + size:
-            share = waiting.share(caller, size)
-            if queued < share and len(waiting) < 2 * size:
-                return None
-            if len(waiting) > queued:
-                reason = "CALLER_OVER_SHARE"
-                message = (
-                    f"caller {caller.name!r} holds {queued} of the {len(waiting)} waiting requests, "
-                    f"more than its share of {share:.1f}; other callers still get in"
-                )
-            else:
-                reason = "QUEUE_FULL"
-                message = f"work queue is full ({size} waiting, {self._slots} running)"
-        if reason is None or message is None:
+        refused = self._request_refusal(caller, live=live) or self._token_refusal(
+            caller, live=live, prompt_tokens=prompt_tokens
+        )
+        if refused is None:
             return None
+        reason, message = refused
         retry_after = self.retry_after()
         return GenerationError(
             ErrorKind.RESOURCE_EXHAUSTED,
             f"{message}; retry after {retry_after:.2f}s",
             retry_after=retry_after,
             reason=reason,
+        )
+
+    def _request_refusal(self, caller: Caller, *, live: int) -> tuple[str, str] | None:
+        waiting = self._waiting
+        queued = waiting.queued_by(caller.name)
+        size = self._config.max_queue_size
+        if caller.max_queued is not None and queued >= caller.max_queued:
+            return (
+                "CALLER_QUEUE_FULL",
+                f"caller {caller.name!r} already has {queued} requests waiting, its limit",
+            )
+        if live < self._slots + size:
+            return None
+        share = waiting.share(caller, size)
+        if queued < share and len(waiting) < 2 * size:
+            return None
+        if len(waiting) > queued:
+            return (
+                "CALLER_OVER_SHARE",
+                f"caller {caller.name!r} holds {queued} of the {len(waiting)} waiting requests, "
+                f"more than its share of {share:.1f}; other callers still get in",
+            )
+        return "QUEUE_FULL", f"work queue is full ({size} waiting, {self._slots} running)"
+
+    def _token_refusal(self, caller: Caller, *, live: int, prompt_tokens: int) -> tuple[str, str] | None:
+        bound = self._config.max_queued_tokens
+        waiting = self._waiting
+        if bound <= 0 or live < self._slots or not waiting:
+            return None
+        total = waiting.queued_tokens
+        if total + prompt_tokens <= bound:
+            return None
+        mine = waiting.queued_tokens_by(caller.name)
+        share = waiting.share(caller, bound)
+        others_waiting = total > mine  # a lone caller sees the plain bound
+        if others_waiting and mine < share:
+            if total + prompt_tokens <= 2 * bound:
+                return None
+        elif others_waiting:
+            return (
+                "CALLER_OVER_TOKEN_SHARE",
+                f"caller {caller.name!r} holds {mine} of the {total} prompt tokens waiting, "
+                f"more than its share of {share:.0f}; other callers still get in",
+            )
+        return (
+            "QUEUED_TOKENS_FULL",
+            f"work queue holds {total} prompt tokens; {prompt_tokens} more would pass its bound of "
+            f"{bound} (--max-queued-tokens)",
         )
 
     def retry_after(self) -> float:
@@ -366,12 +407,15 @@ class Scheduler:
     def _prompt_work(self) -> PromptWork:
         """The round's prompt budget and the order prompts get it.
 
-        The most urgent priority first; within it, the prompt of the caller holding the fewest
-        slots for its weight, so a flood's prompts never make a quieter caller's first token
-        wait for theirs; among equals, first come, first served, which lets a prompt reuse the
-        prefix a prompt ahead of it has just cached. A prompt set aside keeps what it has done.
+        The most urgent priority first; within it, the prompt of the caller holding the least
+        work in slots (shares.work of each request there) for its weight, so a flood's prompts,
+        many or long, never make a quieter caller's first token wait for theirs; among equals,
+        first come, first served, which lets a prompt reuse the prefix a prompt ahead of it has
+        just cached. A prompt set aside keeps what it has done.
         """
-        held = Counter(r.caller.name for r in self.running())
+        held: Counter[str] = Counter()
+        for running in self.running():
+            held[running.caller.name] += running.work
 
         def order(request: Request) -> tuple[int, float]:
             return request.priority.value, held_per_share(held[request.caller.name], request.caller.weight)

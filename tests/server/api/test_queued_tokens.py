@@ -1,0 +1,42 @@
+"""The queued-token bound on a real server, through the Python client."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from tests.conftest import ServerFactory
+from tests.support.options import greedy
+from tests.support.polling import wait_until
+from tests.support.stepping import StepGate, gated
+from tokenwire.client import AsyncClient, TokenwireError
+
+
+async def test_a_prompt_over_the_queued_token_bound_is_resource_exhausted_with_retry_info_naming_tokens(
+    start_server: ServerFactory,
+) -> None:
+    gate = StepGate()
+    server = await start_server(
+        wrap_model=gated(gate), max_batch_size=1, max_queue_size=8, max_queued_tokens=20
+    )
+    engine = server.registry.default.engine
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
+        running = asyncio.create_task(client.generate(list(range(100, 105)), greedy(3)))
+        waiting = asyncio.create_task(client.generate(list(range(200, 215)), greedy(3)))
+        await wait_until(lambda: engine.live_count == 2, what="one running, one waiting")
+        refused: TokenwireError | None = None
+        try:
+            await client.generate(list(range(300, 310)), greedy(3))  # 15 + 10 tokens > 20
+        except TokenwireError as error:
+            refused = error
+        gate.open()
+        assert (await running).completion_tokens == 3
+        assert (await waiting).completion_tokens == 3
+        # Once nothing waits, the same prompt is served.
+        assert (await client.generate(list(range(300, 310)), greedy(3))).completion_tokens == 3
+    assert refused is not None
+    assert refused.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refused.reason == "QUEUED_TOKENS_FULL"
+    assert refused.retry_after is not None and 0.05 <= refused.retry_after <= 30
+    assert refused.retryable
