@@ -17,7 +17,6 @@ the table; the event loop reads the table (queue admission) only under the engin
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -45,7 +44,6 @@ class RequestStatus(Enum):
 
 
 QUEUED = frozenset({RequestStatus.WAITING_FOR_FORMAT, RequestStatus.WAITING, RequestStatus.SWAPPED_OUT})
-RUNNING = frozenset({RequestStatus.PREFILLING, RequestStatus.DECODING})
 
 
 @dataclass(eq=False)
@@ -118,12 +116,6 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._by_key)
 
-    def __iter__(self) -> Iterator[Request]:
-        return iter(self._by_key.values())
-
-    def __contains__(self, key: int) -> bool:
-        return key in self._by_key
-
     def add(self, request: Request) -> None:
         self._by_key[request.key] = request
 
@@ -135,6 +127,3 @@ class RequestTable:
 
     def remove(self, key: int) -> Request | None:
         return self._by_key.pop(key, None)
-
-    def keys(self) -> list[int]:
-        return list(self._by_key)
