@@ -207,8 +207,6 @@ def test_a_request_waits_for_its_format_and_lets_the_next_go_first() -> None:
     assert not s.has_work()  # a slot is free, but nothing waiting can take it yet
 
     compiling.set_result(cast(CompiledFormat, object()))
-    s.format_ready(r.by_name["formatted"].key)  # what the engine does when the compile ends
-    assert r.by_name["formatted"].status is RequestStatus.WAITING
     assert s.has_work()
     assert r.names(s.schedule(NOW).admitted) == ["formatted"]
 

@@ -199,7 +199,7 @@ class Engine:
                 self._idle.clear()
             self._wakeup.notify()
         if compiled is not None and not compiled.done():
-            compiled.add_done_callback(lambda _: self._format_ready(key))
+            compiled.add_done_callback(self._format_ready)
         return RequestTicket(key=key, queue_position=position)
 
     def _prepare_format(self, request: GenerationRequest) -> Future[CompiledFormat] | None:
@@ -209,10 +209,9 @@ class Engine:
             raise invalid_format(request.response_format, f"model {self._model!r} does not support formats")
         return self._formats.prepare(request.response_format)
 
-    def _format_ready(self, key: int) -> None:
+    def _format_ready(self, _: Future[CompiledFormat]) -> None:
         # Called on a compile worker or timer thread: wake the engine to admit the request.
         with self._lock:
-            self._scheduler.format_ready(key)
             self._wakeup.notify()
 
     def abort(self, key: int, reason: AbortReason) -> None:

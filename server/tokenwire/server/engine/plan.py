@@ -9,6 +9,7 @@ scheduler takes back. Neither side reaches into the other.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from tokenwire.server.engine.errors import GenerationError
@@ -77,6 +78,10 @@ class RoundPlan:
     """Rows of the round's decode step; the prompts that get their first token this round join them."""
     requests: dict[int, Request] = field(default_factory=dict)
     """Every request the plan names, by key."""
+
+    @property
+    def unbounded_prompts(self) -> bool:
+        return math.isinf(self.prompts.budget)
 
 
 @dataclass(frozen=True)

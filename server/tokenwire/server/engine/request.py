@@ -17,6 +17,7 @@ the table; the event loop reads the table (queue admission) only under the engin
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
 from enum import Enum
@@ -44,6 +45,7 @@ class RequestStatus(Enum):
 
 
 QUEUED = frozenset({RequestStatus.WAITING_FOR_FORMAT, RequestStatus.WAITING, RequestStatus.SWAPPED_OUT})
+RUNNING = frozenset({RequestStatus.PREFILLING, RequestStatus.DECODING})
 
 
 @dataclass(eq=False)
@@ -116,6 +118,12 @@ class RequestTable:
     def __len__(self) -> int:
         return len(self._by_key)
 
+    def __iter__(self) -> Iterator[Request]:
+        return iter(self._by_key.values())
+
+    def __contains__(self, key: int) -> bool:
+        return key in self._by_key
+
     def add(self, request: Request) -> None:
         self._by_key[request.key] = request
 
@@ -127,3 +135,6 @@ class RequestTable:
 
     def remove(self, key: int) -> Request | None:
         return self._by_key.pop(key, None)
+
+    def keys(self) -> list[int]:
+        return list(self._by_key)

@@ -99,6 +99,13 @@ class Scheduler:
     def queue_depth(self) -> int:
         return len(self._waiting)
 
+    @property
+    def pacer(self) -> PrefillPacer:
+        return self._pacer
+
+    def get(self, key: int) -> Request | None:
+        return self._requests.get(key)
+
     def __len__(self) -> int:
         return len(self._requests)
 
@@ -204,12 +211,6 @@ class Scheduler:
         self._requests.add(request)
         self._waiting.push(request)
 
-    def format_ready(self, key: int) -> None:
-        """A queued request's format has compiled (or failed to): it may take a slot now."""
-        request = self._requests.get(key)
-        if request is not None and request.status is RequestStatus.WAITING_FOR_FORMAT:
-            request.status = RequestStatus.WAITING
-
     def clear(self) -> list[Request]:
         """Forget every live request (the engine fails them); the queue and slots are empty after."""
         everything = [*self._prefilling, *self._decoding.values(), *self._waiting.clear()]
@@ -281,6 +282,9 @@ class Scheduler:
         request.status = RequestStatus.FINISHED
 
     def _admit(self, now: float) -> tuple[Preemption | None, tuple[int, ...], list[Ending]]:
+        for request in self._waiting:
+            if request.status is RequestStatus.WAITING_FOR_FORMAT and request.ready:
+                request.status = RequestStatus.WAITING
         free = self._slots - len(self._prefilling) - len(self._decoding)
         # BATCH requests leave `batch_reserved_slots` free for the others, so an INTERACTIVE
         # request never waits behind BATCH work for more than the next round.
