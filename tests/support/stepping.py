@@ -26,6 +26,13 @@ class StepGate:
         self._condition = threading.Condition()
         self._permits = 0
         self._open = False
+        self._waiting = 0
+
+    @property
+    def waiting(self) -> int:
+        """Decode steps held at the gate now: a step held means its round's earlier events are out."""
+        with self._condition:
+            return self._waiting
 
     def allow(self, steps: int = 1) -> None:
         with self._condition:
@@ -45,7 +52,9 @@ class StepGate:
 
     def pass_through(self) -> None:
         with self._condition:
+            self._waiting += 1
             self._condition.wait_for(lambda: self._open or self._permits > 0)
+            self._waiting -= 1
             if not self._open:
                 self._permits -= 1
 

@@ -22,12 +22,17 @@ async def test_a_prompt_over_the_queued_token_bound_is_resource_exhausted_with_r
     )
     engine = server.registry.default.engine
     async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
+        # The 5-token prompt must hold the slot and the 15-token one wait: the two calls would
+        # otherwise race to the server, and 5 waiting tokens leave room for 10 more.
         running = asyncio.create_task(client.generate(list(range(100, 105)), greedy(3)))
+        await wait_until(lambda: gate.waiting == 1, what="the first prompt to hold the slot")
         waiting = asyncio.create_task(client.generate(list(range(200, 215)), greedy(3)))
         await wait_until(lambda: engine.live_count == 2, what="one running, one waiting")
         refused: TokenwireError | None = None
         try:
-            await client.generate(list(range(300, 310)), greedy(3))  # 15 + 10 tokens > 20
+            # 15 + 10 tokens > 20. The deadline turns a wrongly queued call (the step is held)
+            # into a failure here instead of a wait for the gate that never opens.
+            await client.generate(list(range(300, 310)), greedy(3), deadline=30)
         except TokenwireError as error:
             refused = error
         gate.open()

@@ -263,7 +263,11 @@ async def test_refused_requests_write_one_line_each(
         # One call holds the only slot and another the only queue place (a call's own queue
         # share is the server's queue size, so the two need calls of their own).
         async with client.open_stream() as stream, client.open_stream() as behind:
+            # "running" must hold the slot (its decode step held at the gate) before "waiting" is
+            # sent, and before its id is sent again: only then is the second "running" a live
+            # duplicate, not a second request of its stream queued.
             await stream.submit("running", "Hold the slot", LONG)
+            await wait_until(lambda: gate.waiting == 1, what="the first generation to hold the slot")
             await behind.submit("waiting", "Hold the queue", greedy(4))
             await wait_until(lambda: engine.live_count == 2, what="a full slot and queue")
             with pytest.raises(TokenwireError) as full:
