@@ -274,6 +274,8 @@ async def test_refused_requests_write_one_line_each(
                 await client.generate("No room", greedy(4), request_id="queue-full")
             assert full.value.reason == "QUEUE_FULL"
             await stream.submit("running", "The same id again", greedy(4))
+            # A second request waiting on one call passes that call's own queue limit.
+            await behind.submit("behind-too", "Over the call's queue limit", greedy(4))
             async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
                 raw = pb_grpc.InferenceServiceStub(channel).StreamGenerate()
                 await raw.write(pb.StreamGenerateRequest())  # neither generate nor cancel
@@ -292,5 +294,7 @@ async def test_refused_requests_write_one_line_each(
     # The duplicate id is refused with its own line; the running generation keeps its own.
     running = records.lines_of("running")
     assert sorted(str(entry["outcome"]) for entry in running) == ["invalid", "ok"]
+    over_call_limit = records.one("behind-too")
+    assert (over_call_limit["outcome"], over_call_limit["reason"]) == ("rejected", "STREAM_QUEUE_LIMIT")
     unnamed = records.lines_of("")
     assert len(unnamed) == 1 and unnamed[0]["outcome"] == "invalid"

@@ -18,6 +18,7 @@ beyond a small input it runs in a worker thread, in pieces that each hold the GI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import uuid
 from collections.abc import Callable, Container
@@ -95,6 +96,28 @@ class Admission:
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
+
+    def refuse(
+        self,
+        method: str,
+        metadata: Metadata | None,
+        message: pb.GenerateRequest,
+        error: GenerationError,
+        *,
+        received: float,
+    ) -> None:
+        """Record a request its call refused before admission (a stream's own limits) like any
+        other refusal: with its caller, its id and the model it asked for."""
+        record = self._telemetry.begin(method, metadata, received)
+        caller = self._callers.identify(metadata)
+        if self._gateway is not None:
+            # A header that may not be honoured would have been refused too: the token's caller
+            # is who asked.
+            with contextlib.suppress(GenerationError):
+                caller = self._gateway.caller(caller, metadata)
+        record.identified(caller.name)
+        record.describe(RequestSpec(request_id=message.request_id, model=message.model))
+        record.refused(error)
 
     async def admit(
         self,

@@ -136,7 +136,7 @@ class StreamSession:
         received = self._clock()
         over = self._over_limit()
         if over is not None:
-            self._telemetry.begin("StreamGenerate", self._metadata, received).refused(over)
+            self._admission.refuse("StreamGenerate", self._metadata, message, over, received=received)
             self._send(_error_event(request_id, over))
             return
         try:
