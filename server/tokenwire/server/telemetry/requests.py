@@ -137,25 +137,17 @@ class RequestRecord:
         outcome, error = _LEFT_ENDINGS[reason]
         if not reached_engine and self._owner.metrics is not None:
             self._owner.metrics.request_refused(model=self._model, outcome=outcome, caller=self._caller)
+        stages = Stages(
+            total=self._owner.clock() - self._received, queued=self._queued, first_token=self._first_token
+        )
         self._emit(
-            RequestSummary(
-                method=self._method,
-                request_id=self._request_id,
-                model=self._model,
-                outcome=outcome,
-                stages=Stages(
-                    total=self._owner.clock() - self._received,
-                    queued=self._queued,
-                    first_token=self._first_token,
-                ),
-                parameters=self._parameters,
+            self._summary(
+                outcome,
+                stages,
+                error,
                 finish_reason=FinishReason.CANCELLED.value if error is None else None,
                 prompt_tokens=self._prompt_tokens,
                 completion_tokens=self._tokens_heard,
-                error_code=None if error is None else error.kind.name,
-                error_reason=None if error is None else error.reason,
-                error_message=None if error is None else error.message,
-                caller=self._caller,
             )
         )
 
@@ -166,52 +158,59 @@ class RequestRecord:
         outcome = Outcome.of_refusal(error)
         if self._owner.metrics is not None:
             self._owner.metrics.request_refused(model=self._model, outcome=outcome, caller=self._caller)
-        self._emit(
-            RequestSummary(
-                method=self._method,
-                request_id=self._request_id,
-                model=self._model,
-                outcome=outcome,
-                stages=Stages(total=self._owner.clock() - self._received),
-                parameters=self._parameters,
-                error_code=error.kind.name,
-                error_reason=error.reason,
-                error_message=error.message,
-                caller=self._caller,
-            )
-        )
+        self._emit(self._summary(outcome, Stages(total=self._owner.clock() - self._received), error))
 
     def _completed(self, event: Completed) -> RequestSummary:
         result = event.result
-        return RequestSummary(
-            method=self._method,
+        return self._summary(
+            event.outcome,
+            _stages(event),
             request_id=result.request_id,
             model=result.model,
-            outcome=event.outcome,
-            stages=_stages(event),
-            parameters=self._parameters,
             finish_reason=result.finish_reason.value,
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             cached_prompt_tokens=result.cached_prompt_tokens,
-            caller=self._caller,
         )
 
     def _failed(self, event: Failed) -> RequestSummary:
-        error = event.error
-        return RequestSummary(
-            method=self._method,
-            request_id=self._request_id,
-            model=self._model,
-            outcome=event.outcome,
-            stages=_stages(event),
-            parameters=self._parameters,
+        return self._summary(
+            event.outcome,
+            _stages(event),
+            event.error,
             prompt_tokens=event.prompt_tokens,
             completion_tokens=event.completion_tokens,
-            error_code=error.kind.name,
-            error_reason=error.reason,
-            error_message=error.message,
+        )
+
+    def _summary(
+        self,
+        outcome: Outcome,
+        stages: Stages,
+        error: GenerationError | None = None,
+        *,
+        request_id: str | None = None,
+        model: str | None = None,
+        finish_reason: str | None = None,
+        prompt_tokens: int = 0,
+        completion_tokens: int = 0,
+        cached_prompt_tokens: int = 0,
+    ) -> RequestSummary:
+        """The record of this request's ending; the id and model are this record's unless given."""
+        return RequestSummary(
+            method=self._method,
+            request_id=self._request_id if request_id is None else request_id,
+            model=self._model if model is None else model,
+            outcome=outcome,
+            stages=stages,
+            parameters=self._parameters,
+            error_code=None if error is None else error.kind.name,
+            error_reason=None if error is None else error.reason,
+            error_message=None if error is None else error.message,
             caller=self._caller,
+            finish_reason=finish_reason,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_prompt_tokens=cached_prompt_tokens,
         )
 
     def _emit(self, summary: RequestSummary) -> None:
