@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
@@ -20,6 +21,7 @@ from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.model_tools.pull import DEFAULT_MODEL, fetch_gguf, pull_model, tokenwire_home
 from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
+from tokenwire.server.telemetry.access_log import ACCESS_LOGGER
 from tokenwire.server.telemetry.logs import JsonFormatter
 
 # Hypothesis's per-example deadline is a wall-clock assert: on a loaded two-core machine a
@@ -161,16 +163,31 @@ def serve_processes() -> Iterator[list[ServeProcess]]:
             served.process.wait()
 
 
-@pytest.fixture
-def every_log_line() -> Iterator[io.StringIO]:
-    """Everything any logger writes, at every level, formatted as JSON with its fields."""
+@contextlib.contextmanager
+def json_lines(logger: logging.Logger, level: int) -> Iterator[io.StringIO]:
+    """What `logger` writes at `level` and above while the block runs, one JSON object a line."""
     stream = io.StringIO()
     handler = logging.StreamHandler(stream)
     handler.setFormatter(JsonFormatter())
-    root = logging.getLogger()
-    previous = root.level
-    root.addHandler(handler)
-    root.setLevel(logging.DEBUG)
-    yield stream
-    root.removeHandler(handler)
-    root.setLevel(previous)
+    previous = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(level)
+    try:
+        yield stream
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(previous)
+
+
+@pytest.fixture
+def every_log_line() -> Iterator[io.StringIO]:
+    """Everything any logger writes, at every level, formatted as JSON with its fields."""
+    with json_lines(logging.getLogger(), logging.DEBUG) as stream:
+        yield stream
+
+
+@pytest.fixture
+def access_lines() -> Iterator[io.StringIO]:
+    """What the access logger writes, one JSON object a line."""
+    with json_lines(logging.getLogger(ACCESS_LOGGER), logging.INFO) as stream:
+        yield stream

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import ssl
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -18,24 +16,8 @@ from tests.server.security.certificates import Authority
 from tests.support.servers import serving
 from tokenwire.server.config import AuthSettings, TlsSettings
 from tokenwire.server.engine.types import Caller
-from tokenwire.server.telemetry.access_log import ACCESS_LOGGER
-from tokenwire.server.telemetry.logs import JsonFormatter
 
 CHAT = [{"role": "user", "content": "Hello"}]
-
-
-@pytest.fixture
-def access_lines() -> Iterator[io.StringIO]:
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger(ACCESS_LOGGER)
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield stream
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
 
 
 async def test_bearer_tokens_guard_every_route_and_name_the_caller(

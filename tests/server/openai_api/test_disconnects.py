@@ -11,8 +11,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import logging
-from collections.abc import Iterator
 from pathlib import Path
 
 import openai
@@ -24,22 +22,6 @@ from tests.support.prometheus import scrape
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
 from tokenwire.server.config import TelemetrySettings
-from tokenwire.server.telemetry.access_log import ACCESS_LOGGER
-from tokenwire.server.telemetry.logs import JsonFormatter
-
-
-@pytest.fixture
-def access_lines() -> Iterator[io.StringIO]:
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger(ACCESS_LOGGER)
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield stream
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
 
 
 async def test_closing_an_sdk_stream_stops_the_generation_within_one_step_and_records_a_cancel(

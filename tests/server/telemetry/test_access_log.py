@@ -8,7 +8,6 @@ import logging
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,27 +18,12 @@ from tests.conftest import tiny_settings
 from tests.support.servers import serving
 from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping, TokenwireError
 from tokenwire.server.telemetry.access_log import ACCESS_LOGGER
-from tokenwire.server.telemetry.logs import JsonFormatter, TextFormatter
+from tokenwire.server.telemetry.logs import TextFormatter
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
 TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
 TRACEPARENT = (("traceparent", f"00-{TRACE_ID}-b7ad6b7169203331-01"),)
-
-
-@pytest.fixture
-def access_lines() -> Iterator[io.StringIO]:
-    """What the access logger writes, one JSON object a line."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    handler.setFormatter(JsonFormatter())
-    logger = logging.getLogger(ACCESS_LOGGER)
-    previous = logger.level
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    yield stream
-    logger.removeHandler(handler)
-    logger.setLevel(previous)
 
 
 def entries(stream: io.StringIO) -> list[dict[str, object]]:
