@@ -11,7 +11,7 @@ from pathlib import Path
 
 from tokenwire.client import cli as client_cli
 from tokenwire.server import settings_sources
-from tokenwire.server.config import ModelSource
+from tokenwire.server.config import ModelSource, is_gguf_file
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -72,18 +72,49 @@ def _serve(args: argparse.Namespace) -> int:
         for found in problems:
             print(f"  missing: {found.missing}\n  fix: {found.fix}", file=sys.stderr)
         return 1
+    from tokenwire.server.models.runtime_check import CUDA_PROVIDER
+    from tokenwire.server.models.session import choose_provider
+
+    # GroupQueryAttention on CUDA is half precision only: a GPU gets the float16 export.
+    dtype = "float16" if choose_provider(settings.device) == CUDA_PROVIDER else "float32"
+    try:
+        settings = replace(settings, models=_servable(settings.models, dtype))
+    except _GgufRefusedError as refused:
+        print(f"tokenwire serve: {refused}", file=sys.stderr)
+        return 2
     if not settings.models:
         from tokenwire.server.model_tools.pull import pull_model
-        from tokenwire.server.models.runtime_check import CUDA_PROVIDER
-        from tokenwire.server.models.session import choose_provider
 
-        # GroupQueryAttention on CUDA is half precision only: a GPU gets the float16 export.
-        dtype = "float16" if choose_provider(settings.device) == CUDA_PROVIDER else "float32"
         default = ModelSource(pull_model(DEFAULT_MODEL, dtype=dtype), DEFAULT_MODEL)
         settings = replace(settings, models=(default,))
     from tokenwire.server.main import run
 
     return run(settings)
+
+
+class _GgufRefusedError(Exception):
+    """A --model GGUF file that cannot be converted: one line names the file and why."""
+
+
+def _servable(models: tuple[ModelSource, ...], dtype: str) -> tuple[ModelSource, ...]:
+    """The models with each GGUF file replaced by its converted directory (converted on first
+    use, cached in the user cache), served under the file's name without .gguf."""
+    if not any(is_gguf_file(source.path) for source in models):
+        return models
+    from tokenwire.server.model_tools.convert import ConversionError
+    from tokenwire.server.model_tools.pull import converted_gguf
+
+    servable = []
+    for source in models:
+        if not is_gguf_file(source.path):
+            servable.append(source)
+            continue
+        try:
+            directory = converted_gguf(source.path, progress=sys.stderr.isatty(), dtype=dtype)
+        except (ConversionError, OSError) as error:
+            raise _GgufRefusedError(f"--model: {error}") from None
+        servable.append(ModelSource(directory, source.name or source.path.stem))
+    return tuple(servable)
 
 
 def _add_pull(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

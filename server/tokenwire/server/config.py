@@ -59,8 +59,14 @@ DEFAULT_PORT = 50051
 @dataclass(frozen=True)
 class ModelSource:
     path: Path
+    """A converted model directory, or a .gguf file (`tokenwire serve` converts it first)."""
     name: str | None = None
-    """Name clients use; defaults to the directory's name."""
+    """Name clients use; defaults to the directory's name (a GGUF file's: its name without .gguf)."""
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A model given as a GGUF file, which `tokenwire serve` converts (once) before it serves it."""
+    return path.suffix.lower() == ".gguf" and path.is_file()
 
 
 @dataclass(frozen=True)
@@ -231,8 +237,8 @@ class ServerSettings:
                 f"--max-new-tokens-cap {self.limits.max_new_tokens_cap}"
             )
         for source in self.models:
-            if not source.path.is_dir():
-                problems.append(f"--model: {source.path} is not a directory")
+            if not (source.path.is_dir() or is_gguf_file(source.path)):
+                problems.append(f"--model: {source.path} is neither a model directory nor a .gguf file")
         problems += self._telemetry_problems()
         problems += self._tls_problems()
         problems += self._health_problems()

@@ -76,9 +76,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model",
         action="append",
-        metavar="[NAME=]DIR",
-        help="model directory to serve (repeat for several; the first is the default). Without any, the "
-        f"default model is pulled once and served from the cache [{MODEL_ENV}]",
+        metavar="[NAME=]DIR|FILE.gguf",
+        help="model directory, or GGUF file (converted once into the cache), to serve (repeat for several; "
+        "the first is the default). Without any, the default model is pulled once and served from the "
+        f"cache [{MODEL_ENV}]",
     )
     groups = {title: parser.add_argument_group(title) for title in GROUPS}
     for setting in SETTINGS:

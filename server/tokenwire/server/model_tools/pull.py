@@ -110,6 +110,38 @@ def pull_model(
     return target
 
 
+def converted_gguf(
+    gguf_path: Path, *, home: Path | None = None, progress: bool = True, dtype: str = "float32"
+) -> Path:
+    """The servable directory for a GGUF file of one's own, converted on first use.
+
+    The directory is `$TOKENWIRE_HOME/models/gguf/<stem>-<key>`: the key digests the file's
+    resolved path, size and modification time and the dtype, so serving the same file again
+    reuses its conversion and a file replaced in place is converted again. Raises
+    ConversionError (naming what is wrong) for a file the converter refuses, leaving nothing
+    behind.
+    """
+    resolved = gguf_path.expanduser().resolve()
+    found = resolved.stat()
+    identity = f"{resolved}\0{found.st_size}\0{found.st_mtime_ns}\0{dtype}"
+    key = hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
+    target = tokenwire_home(home) / "models" / "gguf" / f"{resolved.stem}-{key}"
+    if conversion_is_current(target):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _scratch_dir(target.parent, f".{target.name}-") as scratch:
+        out_dir = scratch / target.name
+        with _bar(progress, f"convert {resolved.name}", total=100, unit="%") as bar:
+
+            def report(stage: str, fraction: float) -> None:
+                bar.set_postfix_str(stage)
+                bar.update(round(fraction * 100) - bar.n)
+
+            convert_gguf(resolved, out_dir, dtype=dtype, progress=report)
+        _publish(out_dir, target)
+    return target
+
+
 def fetch_gguf(name: str = DEFAULT_MODEL, *, home: Path | None = None, progress: bool = True) -> Path:
     """The verified GGUF file of a known model, cached under `$TOKENWIRE_HOME/gguf/<name>/`."""
     model = known_model(name)
