@@ -19,6 +19,7 @@ measures every TTFT; the script reports the quiet caller's p50 and p99 in both p
 of the p99s (target: at most 2), and how the flood's requests ended.
 
     python benchmarks/fairness.py [--repetitions 40] [--baseline ../tokenwire-before] [--only-shipped]
+                                  [--flood-prompt-tokens 1000]
 
 (`--repetitions` is the number of quiet requests per phase.)
 """
@@ -59,18 +60,24 @@ def percentile(values: list[float], q: float) -> float:
 
 
 class Prompts:
-    """100-token prompts, each opening with its own tag so no two share a cached prefix."""
+    """The quiet caller's 100-token prompts and the flood's (100 tokens, or `flood_tokens`), each
+    opening with its own tag so no two share a cached prefix."""
 
-    def __init__(self, directory: Path) -> None:
+    def __init__(self, directory: Path, flood_tokens: int = PROMPT_TOKENS) -> None:
         from tokenizers import Tokenizer
 
         self._tokenizer = Tokenizer.from_file(str(directory / "tokenizer.json"))
-        self._passage = benchkit.prompt_ids(directory, PROMPT_TOKENS)
+        self._lengths = {"quiet": PROMPT_TOKENS, "flood": flood_tokens}
+        self._passage = benchkit.prompt_ids(directory, max(self._lengths.values()))
         self._count = itertools.count()
+
+    @property
+    def flood_tokens(self) -> int:
+        return self._lengths["flood"]
 
     def next(self, caller: str) -> list[int]:
         tag = self._tokenizer.encode(f"[{caller} {next(self._count)}] ", add_special_tokens=False).ids
-        return [int(t) for t in tag] + self._passage[: PROMPT_TOKENS - len(tag)]
+        return [int(t) for t in tag] + self._passage[: self._lengths[caller] - len(tag)]
 
 
 async def quiet_phase(target: str, prompts: Prompts, count: int) -> dict[str, list[float]]:
@@ -103,12 +110,14 @@ async def flood(target: str, prompts: Prompts, stop: Callable[[], bool], outcome
         await asyncio.gather(*(one_lane() for _ in range(FLOOD_FACTOR * SLOTS)))
 
 
-def flood_process(target: str, directory: Path, stop: EventType, results: Queue[dict[str, int]]) -> None:
+def flood_process(
+    target: str, directory: Path, flood_tokens: int, stop: EventType, results: Queue[dict[str, int]]
+) -> None:
     """The flood from a process of its own at the lowest CPU priority: a caller elsewhere, as
     far as one machine allows (its client's work takes no CPU the server wants)."""
     os.nice(19)
     outcomes: Counter[str] = Counter()
-    asyncio.run(flood(target, Prompts(directory), stop.is_set, outcomes))
+    asyncio.run(flood(target, Prompts(directory, flood_tokens), stop.is_set, outcomes))
     results.put(dict(outcomes))
 
 
@@ -121,7 +130,9 @@ async def run(
     if apart:
         context = multiprocessing.get_context("spawn")
         stop_apart, results = context.Event(), context.Queue()
-        child = context.Process(target=flood_process, args=(target, directory, stop_apart, results))
+        child = context.Process(
+            target=flood_process, args=(target, directory, prompts.flood_tokens, stop_apart, results)
+        )
         child.start()
         stop: Callable[[], bool] = stop_apart.is_set
     else:
@@ -155,6 +166,12 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=40)
     parser.add_argument("--baseline", type=Path, help="another checkout, run as shipped beside this one")
     parser.add_argument("--only-shipped", action="store_true", help="only the as-shipped variants")
+    parser.add_argument(
+        "--flood-prompt-tokens",
+        type=int,
+        default=PROMPT_TOKENS,
+        help="the flood's prompt length (the quiet caller's stays 100): a flood of long prompts",
+    )
     args = parser.parse_args()
     count = args.repetitions
     variants: dict[str, tuple[tuple[str, ...], bool, Path | None]] = {
@@ -165,7 +182,7 @@ def main() -> None:
     if args.baseline is not None:
         variants[f"as shipped, {args.baseline.name}"] = ((), False, args.baseline.resolve())
     directory = benchkit.model_dir()
-    prompts = Prompts(directory)
+    prompts = Prompts(directory, args.flood_prompt_tokens)
     found: dict[str, dict[str, object]] = {}
     with tempfile.TemporaryDirectory() as scratch:
         tokens = Path(scratch) / "tokens"
@@ -197,12 +214,23 @@ def main() -> None:
         for phase, measured in (("idle", idle), ("flooded", flooded)):
             medians = [f"{statistics.median(measured[p]):.1f}" for p in ("queued", "paced", "prefill")]
             parts.append([name, phase, *medians])
-    print(f"\n## The quiet caller's TTFT (server-measured, ms), {count} requests per phase\n")
+    print(
+        f"\n## The quiet caller's TTFT (server-measured, ms), {count} requests per phase, "
+        f"the flood's prompts {args.flood_prompt_tokens} tokens\n"
+    )
     header = ["server", "idle p50", "idle p99", "flooded p50", "flooded p99", "p99 ratio (target <= 2)"]
     print(benchkit.markdown_table([*header, "flood"], rows))
     print("\n### Where the quiet caller's TTFT went (medians, ms)\n")
     print(benchkit.markdown_table(["server", "phase", "queued", "paced", "prefill"], parts))
-    path = benchkit.save_results("fairness", {"machine": benchkit.machine_summary(), **found})
+    name = (
+        "fairness"
+        if args.flood_prompt_tokens == PROMPT_TOKENS
+        else f"fairness_flood{args.flood_prompt_tokens}"
+    )
+    path = benchkit.save_results(
+        name,
+        {"machine": benchkit.machine_summary(), "flood_prompt_tokens": args.flood_prompt_tokens, **found},
+    )
     print(f"\nresults: {path}")
 
 
