@@ -6,7 +6,9 @@ both early, identically, since greedy output does not depend on the API). Each r
 in an order that rotates, a single stream over each API (time to first token as the client sees
 it) and 8 concurrent streams over each API (generated tokens per second of wall time). gRPC is
 tokenwire's own AsyncClient streaming; HTTP is OpenAI's Python SDK streaming server-sent events
-with include_usage. Figures are medians over the repetitions.
+with include_usage, and the same request through a plain httpx client that reads the event lines
+and parses each with json.loads (the wire's own cost, without the SDK's per-chunk validation).
+Figures are medians over the repetitions.
 
     python benchmarks/openai_overhead.py [--repetitions 5]
 """
@@ -14,6 +16,7 @@ with include_usage. Figures are medians over the repetitions.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -67,6 +70,35 @@ async def http_stream(client: object, ids: Sequence[int]) -> tuple[float, int]:
     return first, tokens
 
 
+async def raw_http_stream(client: object, ids: Sequence[int]) -> tuple[float, int]:
+    """(seconds to the first text, tokens) of one greedy stream read as plain server-sent events."""
+    import httpx
+
+    assert isinstance(client, httpx.AsyncClient)
+    body = {
+        "model": "default",
+        "prompt": list(ids),
+        "max_tokens": NEW_TOKENS,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    sent = time.perf_counter()
+    first = 0.0
+    tokens = 0
+    async with client.stream("POST", "/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk["choices"] and chunk["choices"][0]["text"] and not first:
+                first = time.perf_counter() - sent
+            if chunk.get("usage"):
+                tokens = chunk["usage"]["completion_tokens"]
+    return first, tokens
+
+
 Run = Callable[[object, Sequence[int]], Awaitable[tuple[float, int]]]
 
 
@@ -78,6 +110,7 @@ async def concurrent(run: Run, client: object, prompts: Sequence[Sequence[int]])
 
 
 async def measure(grpc_target: str, http_url: str, repetitions: int) -> dict[str, dict[str, list[float]]]:
+    import httpx
     import openai
 
     from tokenwire.client import AsyncClient
@@ -88,9 +121,11 @@ async def measure(grpc_target: str, http_url: str, repetitions: int) -> dict[str
     many = [benchkit.prompt_ids(directory, PROMPT_TOKENS, offset=1 + i) for i in range(STREAMS)]
     grpc_client = AsyncClient(grpc_target, retries=False)
     http_client = openai.AsyncOpenAI(base_url=http_url, api_key="unused", max_retries=0)
+    raw_client = httpx.AsyncClient(base_url=http_url, timeout=600)
     apis: dict[str, tuple[Run, object]] = {
         "grpc": (grpc_stream, grpc_client),
         "http": (http_stream, http_client),
+        "http_raw": (raw_http_stream, raw_client),
     }
     figures: dict[str, dict[str, list[float]]] = {api: {"ttft": [], "throughput": []} for api in apis}
     for run, client in apis.values():  # warm-up: connections, the prompts' first prefill
@@ -98,7 +133,8 @@ async def measure(grpc_target: str, http_url: str, repetitions: int) -> dict[str
         await concurrent(run, client, many)
     order = list(apis)
     for repetition in range(repetitions):
-        for api in order[repetition % 2 :] + order[: repetition % 2]:
+        shift = repetition % len(order)
+        for api in order[shift:] + order[:shift]:
             run, client = apis[api]
             # A prompt never seen before for the TTFT: the prefix cache must not answer it.
             fresh = benchkit.prompt_ids(
@@ -112,6 +148,7 @@ async def measure(grpc_target: str, http_url: str, repetitions: int) -> dict[str
             ]
             figures[api]["throughput"].append(await concurrent(run, client, prompts))
     await http_client.close()
+    await raw_client.aclose()
     await grpc_client.close()
     return figures
 
@@ -130,18 +167,17 @@ def main() -> None:
     rows = [
         [
             "single-stream TTFT (ms)",
-            f"{ttft['grpc'] * 1000:.1f}",
-            f"{ttft['http'] * 1000:.1f}",
-            f"{ttft['http'] / ttft['grpc']:.3f}x",
+            *(f"{ttft[api] * 1000:.1f}" for api in figures),
+            *(f"{ttft[api] / ttft['grpc']:.3f}x" for api in ("http", "http_raw")),
         ],
         [
             f"{STREAMS}-stream throughput (tok/s)",
-            f"{throughput['grpc']:.1f}",
-            f"{throughput['http']:.1f}",
-            f"{throughput['http'] / throughput['grpc']:.3f}x",
+            *(f"{throughput[api]:.1f}" for api in figures),
+            *(f"{throughput[api] / throughput['grpc']:.3f}x" for api in ("http", "http_raw")),
         ],
     ]
-    print(benchkit.markdown_table(["", "gRPC", "HTTP (OpenAI SDK)", "HTTP / gRPC"], rows))
+    header = ["", "gRPC", "HTTP (OpenAI SDK)", "HTTP (httpx)", "SDK / gRPC", "httpx / gRPC"]
+    print(benchkit.markdown_table(header, rows))
     path = benchkit.save_results(
         "openai_overhead",
         {
