@@ -7,6 +7,8 @@ without waiting minutes or filling megabytes.
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
 from tests.support.fake_runner import ManualClock
@@ -82,3 +84,28 @@ def test_a_different_body_under_a_kept_key_is_already_exists() -> None:
         registry.find("caller", "a", b"another body")
     assert refused.value.kind is ErrorKind.ALREADY_EXISTS
     assert [v.field for v in refused.value.violations] == ["idempotency_key"]
+
+
+@pytest.mark.parametrize("ending", ["cancelled", "failed"])
+async def test_a_retry_that_joins_just_before_an_unkept_ending_still_hears_the_ending(ending: str) -> None:
+    # The join's catch-up runs on the next turn of the event loop; a generation that ends before
+    # then, in a way that is not kept, must still end the joiner's call instead of leaving it
+    # waiting for events that will never come.
+    registry = GenerationRegistry(retention=60.0, max_bytes=1 << 20, clock=ManualClock())
+    generation, _ = registry.begin("caller", "k", b"body", lambda event: None)
+    deliver = registry.deliver_to(generation)
+    deliver(Started(0.01, 4))
+    deliver(TokensGenerated((1, 2), "ab"))
+    joiner: list[EngineEvent] = []
+    registry.attach(generation, joiner.append)
+    if ending == "cancelled":
+        final: EngineEvent = Completed(
+            GenerationResult("req-k", "m", "ab", (1, 2), FinishReason.CANCELLED, 4, TIMING)
+        )
+    else:
+        final = Failed(GenerationError(ErrorKind.INTERNAL, "model failure"), TIMING)
+    deliver(final)
+    await asyncio.sleep(0)  # the join's turn
+    assert [type(e).__name__ for e in joiner] == ["Started", "TokensGenerated", type(final).__name__]
+    assert joiner[-1] is final
+    assert registry.find("caller", "k", b"body") is None  # nothing of it is kept

@@ -73,7 +73,12 @@ async def test_a_streamed_retry_gets_the_tokens_so_far_then_the_rest_without_a_s
     server = await start_server(wrap_model=gated(gate))
     async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
         first = asyncio.ensure_future(client.generate("Hi", RANDOM, idempotency_key="job-2"))
-        await wait_until(lambda: server.registry.default.engine.stats.decode_steps == 7, what="7 steps")
+        # Seven steps run and the eighth held at the gate: the seventh step's round has delivered
+        # its tokens (a round delivers before the next begins), so the catch-up holds all eight.
+        await wait_until(
+            lambda: server.registry.default.engine.stats.decode_steps == 7 and gate.waiting == 1,
+            what="7 steps delivered",
+        )
         chunks: list[tuple[int, ...]] = []
         kinds: list[str] = []
         completed = None

@@ -56,6 +56,9 @@ class _Generation:
     text: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
     completed: Completed | None = None
+    """Its result, when kept (a natural end, with retention)."""
+    ending: Completed | Failed | None = None
+    """How it ended, kept or not: for a listener that attached just before the end."""
     finished_at: float = 0.0
     size: int = 0
 
@@ -160,7 +163,12 @@ class GenerationRegistry:
         def join() -> None:
             for event in generation.so_far():
                 listener(event)
-            if generation.completed is None and (generation.caller, generation.idempotency_key) in self._live:
+            if generation.completed is not None:
+                return  # so_far ended with the kept result
+            if generation.ending is not None:
+                # It ended, unkept, between the attach and now: the listener still hears how.
+                listener(generation.ending)
+            elif (generation.caller, generation.idempotency_key) in self._live:
                 generation.listeners[number] = listener
 
         asyncio.get_running_loop().call_soon(join)
@@ -187,6 +195,7 @@ class GenerationRegistry:
         for listener in list(generation.listeners.values()):
             listener(event)
         if isinstance(event, Completed | Failed):
+            generation.ending = event
             self._live.pop((generation.caller, generation.idempotency_key), None)
             generation.listeners.clear()
             if isinstance(event, Completed) and event.result.finish_reason in _NATURAL_ENDS:
