@@ -407,8 +407,11 @@ class SamplingParams(_message.Message):
     value, > 0. Unset: 1.0 (no penalty).
     """
     seed: _builtins.int
-    """Seed of this request's own random generator. The same seed and parameters give the same tokens
-    whatever else the server is running. Unset: a random seed.
+    """Seed of this request's own random generator. The same seed and parameters give the same draws
+    whatever else the server is running, so the same tokens wherever the model's kernels compute a
+    row independently of its batch (float models). The default 4-bit model's one-row kernels round
+    differently from its batched ones (up to 0.4 logits, BENCHMARKS.md section 12), so there a
+    near-tie may go either way with the batch. Unset: a random seed.
     """
     presence_penalty: _builtins.float
     """Subtracted from the logit of every token already generated in this output (not the prompt),
