@@ -40,19 +40,7 @@ def tools() -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(
-    scope="session",
-    params=[
-        *[f for f in FAMILIES if f != "phi3"],
-        pytest.param(
-            "phi3",
-            marks=pytest.mark.xfail(
-                reason="llama.cpp 0.3.36 cannot load the tiny Phi-3 file its own converter writes",
-                strict=False,
-            ),
-        ),
-    ],
-)
+@pytest.fixture(scope="session", params=FAMILIES)
 def results(
     request: pytest.FixtureRequest, tools: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> list[dict]:
