@@ -109,7 +109,9 @@ def strip_after_tokens(model_name: str, tokens: list[str], token_types: list[int
 
     The attribute is not in the file: llama.cpp sets it when general.name contains "phi-3" or
     "phi3" (as Phi-3's own tokenizer.json marks its chat tokens rstrip), on every control,
-    user-defined and unknown token and </s>, but not <unk>, <s> or <|endoftext|>.
+    user-defined and unknown token and </s>, but not <unk>, <s> or <|endoftext|>. (`tokenizers`
+    strips Unicode whitespace there, llama.cpp only ASCII: they differ only for a character such
+    as U+3000 right after a chat token.)
     """
     name = model_name.lower()
     if "phi-3" not in name and "phi3" not in name:
