@@ -19,6 +19,17 @@ import transformers
 # Families whose llama.cpp conversion reads a SentencePiece tokenizer.model.
 SENTENCEPIECE_FAMILIES = ("gemma2", "gemma3", "phi3")
 WINDOW = 8  # shorter than prompt + generated tokens, so sliding layers matter
+# Phi-3's tokenizer is Llama 2's SentencePiece model (<unk> 0, <s> 1, </s> 2, a leading space
+# on the text) plus added chat tokens after it, <|endoftext|> first. llama.cpp looks
+# <|endoftext|> up by name when it loads any model called Phi-3, so the file must have it.
+PHI3_SENTENCEPIECE_SIZE = 400
+PHI3_ADDED_START = PHI3_SENTENCEPIECE_SIZE
+PHI3_ADDED = ("<|endoftext|>", "<|assistant|>", "<|system|>", "<|end|>", "<|user|>")
+PHI3_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ '<|' + message['role'] + '|>' + '\\n' + message['content']"
+    " + '<|end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}"
+    "{% endif %}"
+)
 
 SHAPE = {
     "hidden_size": 256,
@@ -66,6 +77,8 @@ def config_for(family: str) -> transformers.PretrainedConfig:
         )
     if family == "phi3":
         phi = {k: v for k, v in common.items() if k != "head_dim"}
+        # Phi-3's ids: <s> 1, and <|endoftext|> (the first added token) ends and pads.
+        phi.update(bos_token_id=1, eos_token_id=PHI3_ADDED_START, pad_token_id=PHI3_ADDED_START)
         return transformers.Phi3Config(**phi)
     raise SystemExit(f"unknown family {family}")
 
@@ -107,32 +120,80 @@ def export(convert_dir: Path, model_dir: Path) -> Path:
     return target
 
 
-def sentencepiece_tokenizer(model_dir: Path) -> list[int]:
-    """Gemma's conversion reads a SentencePiece model: train one on run.py's corpus instead of
-    the byte-level BPE files, and return the prompt's ids under it."""
+def sentencepiece_tokenizer(model_dir: Path, family: str) -> list[int]:
+    """Gemma's and Phi-3's conversions read a SentencePiece model: train one on run.py's corpus
+    instead of the byte-level BPE files, and return the prompt's ids under it."""
     import sentencepiece
 
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         (model_dir / name).unlink(missing_ok=True)
     corpus = (model_dir / "corpus.txt").read_text().splitlines()
+    if family == "phi3":
+        layout: dict[str, object] = dict(
+            vocab_size=PHI3_SENTENCEPIECE_SIZE,
+            hard_vocab_limit=True,
+            unk_id=0,
+            bos_id=1,
+            eos_id=2,
+            pad_id=-1,
+            add_dummy_prefix=True,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+        )
+    else:
+        layout = dict(
+            vocab_size=400,
+            hard_vocab_limit=False,
+            pad_id=0,
+            eos_id=1,
+            bos_id=2,
+            unk_id=3,
+            user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
+            add_dummy_prefix=False,
+        )
     sentencepiece.SentencePieceTrainer.train(
         sentence_iterator=iter(corpus * 20),
         model_prefix=str(model_dir / "tokenizer"),
-        vocab_size=400,
         model_type="bpe",
         byte_fallback=True,
         character_coverage=1.0,
-        hard_vocab_limit=False,
-        pad_id=0,
-        eos_id=1,
-        bos_id=2,
-        unk_id=3,
-        user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
-        add_dummy_prefix=False,
         minloglevel=2,
+        **layout,
     )
     processor = sentencepiece.SentencePieceProcessor(model_file=str(model_dir / "tokenizer.model"))
+    if family == "phi3":
+        write_phi3_added_tokens(model_dir, processor.get_piece_size())
     return [int(i) for i in processor.encode((model_dir / "prompt.txt").read_text())]
+
+
+def write_phi3_added_tokens(model_dir: Path, sentencepiece_size: int) -> None:
+    """tokenizer_config.json as Phi-3's: the chat tokens added after the SentencePiece pieces,
+    special (so convert_hf_to_gguf.py marks them control tokens), and the chat template."""
+    if sentencepiece_size != PHI3_ADDED_START:
+        raise SystemExit(f"the SentencePiece model has {sentencepiece_size} pieces, not {PHI3_ADDED_START}")
+    added = {
+        str(PHI3_ADDED_START + i): {
+            "content": token,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": token != "<|endoftext|>",
+            "single_word": False,
+            "special": True,
+        }
+        for i, token in enumerate(PHI3_ADDED)
+    }
+    config = {
+        "tokenizer_class": "LlamaTokenizer",
+        "added_tokens_decoder": added,
+        "bos_token": "<s>",
+        "eos_token": "<|endoftext|>",
+        "pad_token": "<|endoftext|>",
+        "unk_token": "<unk>",
+        "add_bos_token": False,
+        "add_eos_token": False,
+        "chat_template": PHI3_CHAT_TEMPLATE,
+    }
+    (model_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=1))
 
 
 def main() -> None:
@@ -140,7 +201,7 @@ def main() -> None:
     prompt = json.loads(sys.argv[4])
     steps = int(sys.argv[5])
     if family in SENTENCEPIECE_FAMILIES:
-        prompt = sentencepiece_tokenizer(model_dir)
+        prompt = sentencepiece_tokenizer(model_dir, family)
     model = build(family, model_dir)
     export(convert_dir, model_dir)
     with torch.no_grad():

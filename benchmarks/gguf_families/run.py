@@ -39,12 +39,14 @@ from tokenwire.server.model_tools.tiny_tokenizer import (
 )
 
 HERE = Path(__file__).parent
-SENTENCEPIECE_FAMILIES = ("gemma2", "gemma3", "phi3")
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 TYPES = ("F32", "F16", "Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS")
 STEPS = 32
 TEXT = "<|im_start|>user\nHello, world! 1234 + 56 = 1290; déjà vu, 東京 😀 — ok?<|im_end|>\n"
 GEMMA_TEXT = "<start_of_turn>user\nHello, world! 1234 + 56 = 1290; déjà vu, 東京 😀 — ok?<end_of_turn>\n"
+# Phi-3's chat tokens strip the whitespace after them in llama.cpp: the newlines test that too.
+PHI3_TEXT = "<|user|>\nHello, world! 1234 + 56 = 1290; déjà vu, 東京 😀 — ok?<|end|>\n<|assistant|>\n"
+TEXTS = {"gemma2": GEMMA_TEXT, "gemma3": GEMMA_TEXT, "phi3": PHI3_TEXT}
 
 
 def greedy(model_dir: Path, prompt: list[int], steps: int, batch: list[list[int]]) -> list[int]:
@@ -103,7 +105,7 @@ def family_rows(family: str, args: argparse.Namespace) -> list[dict[str, object]
     hf_tokens, prompt = hf_result["tokens"], hf_result["prompt"]
     hf_logits = np.load(work / "hf_logits.npy")
     sequence = prompt + hf_tokens
-    text = GEMMA_TEXT if family in SENTENCEPIECE_FAMILIES else TEXT
+    text = TEXTS.get(family, TEXT)
     subprocess.run(
         [
             str(args.llamacpp_python),

@@ -1,6 +1,7 @@
 """An independent SentencePiece-style encoder, written from llama.cpp's llm_tokenizer_spm.
 
-Special tokens are split out of the text first; each other fragment gets a leading space when it
+Special tokens are split out of the text first (those marked to strip what follows them drop
+the whitespace after them); each other fragment gets a leading space when it
 follows a special token or starts the text (if the vocabulary asks for one), spaces become "▁",
 then adjacent pieces are joined, highest-scoring join first (leftmost on ties), while the join is
 a token; pieces no token covers are spelled as their UTF-8 bytes' <0xXX> tokens.
@@ -13,12 +14,19 @@ import heapq
 
 class ReferenceSpm:
     def __init__(
-        self, tokens: list[str], scores: list[float], specials: list[str], *, add_space_prefix: bool
+        self,
+        tokens: list[str],
+        scores: list[float],
+        specials: list[str],
+        *,
+        add_space_prefix: bool,
+        strip_after: frozenset[str] = frozenset(),
     ) -> None:
         self.ids = {t: i for i, t in enumerate(tokens)}
         self.scores = scores
         self.specials = sorted(specials, key=len, reverse=True)
         self.add_space_prefix = add_space_prefix
+        self.strip_after = strip_after
 
     def encode(self, text: str) -> list[int]:
         out: list[int] = []
@@ -46,6 +54,10 @@ class ReferenceSpm:
                 parts.append((text[start:i], False))
             parts.append((match, True))
             i += len(match)
+            if match in self.strip_after:
+                # llama.cpp's RSTRIP: C isspace() characters after the token are dropped.
+                while i < len(text) and text[i] in " \t\n\v\f\r":
+                    i += 1
             start = i
         if start < len(text):
             parts.append((text[start:], False))

@@ -40,28 +40,20 @@ def tools() -> Path:
     return Path(result.stdout.strip().splitlines()[-1])
 
 
-@pytest.fixture(
-    scope="session",
-    params=[
-        *[f for f in FAMILIES if f != "phi3"],
-        pytest.param(
-            "phi3",
-            marks=pytest.mark.xfail(
-                reason="llama.cpp 0.3.36 cannot load the tiny Phi-3 file its own converter writes",
-                strict=False,
-            ),
-        ),
-    ],
-)
-def results(
+def _env() -> dict[str, str]:
+    return dict(
+        os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "server"), str(REPO / "client"), str(REPO)])
+    )
+
+
+@pytest.fixture(scope="session", params=FAMILIES)
+def family_work(
     request: pytest.FixtureRequest, tools: Path, tmp_path_factory: pytest.TempPathFactory
-) -> list[dict]:
+) -> tuple[str, Path]:
+    """run.py's work directory for one family, after it ran; its rows are in results.json."""
     work = tmp_path_factory.mktemp(request.param)
     out = work / "results.json"
     source = next((tools / "sdist").glob("llama_cpp_python-*/vendor/llama.cpp"))
-    env = dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "server"), str(REPO / "client"), str(REPO)])
-    )
     subprocess.run(
         [
             sys.executable,
@@ -80,10 +72,15 @@ def results(
             str(out),
         ],
         check=True,
-        env=env,
+        env=_env(),
         timeout=1800,
     )
-    rows: list[dict] = json.loads(out.read_text())
+    return request.param, work
+
+
+@pytest.fixture(scope="session")
+def results(family_work: tuple[str, Path]) -> list[dict]:
+    rows: list[dict] = json.loads((family_work[1] / "results.json").read_text())
     assert rows and "error" not in rows[0], rows
     return rows
 
@@ -111,3 +108,36 @@ def test_quantized_gguf_follows_llama_cpp(results: list[dict], kind: str) -> Non
         assert row["llamacpp_gap_at_split"] < NEAR_TIE, row
     # No further from the float model than llama.cpp's own run of the same file (plus rounding).
     assert row["kl_tokenwire"] <= 1.5 * row["kl_llamacpp"] + 1e-4, row
+
+
+def test_window_metadata_the_export_leaves_out_gives_transformers_exactly(
+    family_work: tuple[str, Path], results: list[dict]
+) -> None:
+    """Mistral's window and Gemma 3's layer pattern, added to the F32 file (with_window_metadata.py)."""
+    family, work = family_work
+    if family not in ("mistral", "gemma3"):
+        pytest.skip("the export keeps this family's attention layout")
+    out = work / "window.jsonl"
+    subprocess.run(
+        [
+            sys.executable,
+            str(REPO / "benchmarks" / "gguf_families" / "with_window_metadata.py"),
+            "--work",
+            str(work),
+            "--families",
+            family,
+            "--out",
+            str(out),
+        ],
+        check=True,
+        env=_env(),
+        timeout=600,
+    )
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    assert row["vs_transformers_alone"] == STEPS, row
+    assert row["vs_transformers_busy"] == STEPS, row
+    # Float32 rounding, where the file as exported is 6e-2 (Gemma 3) or 0.67 (Mistral) away.
+    assert row["kl_tokenwire"] < 1e-6, row
+    f32 = next(r for r in results if r["type"] == "F32")
+    assert row["kl_tokenwire_without"] == pytest.approx(f32["kl_tokenwire"], rel=1e-6)
+    assert row["kl_tokenwire_without"] > 1e-2, row

@@ -19,6 +19,7 @@ from tokenwire.server.model_tools.convert.gguf_tokenizer import (
     UnsupportedTokenizerError,
     build_tokenizer,
     pre_tokenizer_for,
+    strip_after_tokens,
 )
 from tokenwire.server.model_tools.tiny_tokenizer import (
     END_OF_TEXT,
@@ -152,7 +153,13 @@ SPM_TEXTS = [
 ]
 
 
-def spm_vocabulary(seed: int, *, add_space_prefix: bool) -> GgufVocabulary:
+GEMMA_SPECIALS = ("<unk>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>")
+PHI3_SPECIALS = ("<unk>", "<s>", "</s>", "<|endoftext|>", "<|user|>", "<|end|>", "<|assistant|>")
+
+
+def spm_vocabulary(
+    seed: int, *, add_space_prefix: bool, specials: tuple[str, ...] = GEMMA_SPECIALS
+) -> GgufVocabulary:
     """Specials, 256 byte tokens and pieces taken from the tiny BPE vocabulary, random scores."""
     import numpy as np
 
@@ -163,14 +170,15 @@ def spm_vocabulary(seed: int, *, add_space_prefix: bool) -> GgufVocabulary:
             text = bytes(byte_of[c] for c in token).decode("utf-8")
         except (KeyError, UnicodeDecodeError):
             continue
+        if text in specials:
+            continue  # the tiny vocabulary's own markup tokens, which are specials here
         piece = text.replace(" ", "\u2581")
         # As in a trained SentencePiece vocabulary, each character of a piece is a piece too.
         for candidate in [*piece, piece]:
             if candidate not in pieces:
                 pieces.append(candidate)
-    specials = ["<unk>", "<bos>", "<eos>", "<start_of_turn>", "<end_of_turn>"]
-    tokens = specials + [f"<0x{b:02X}>" for b in range(256)] + pieces
-    types = [2, 3, 3, 3, 3] + [6] * 256 + [1] * len(pieces)
+    tokens = [*specials] + [f"<0x{b:02X}>" for b in range(256)] + pieces
+    types = [2] + [3] * (len(specials) - 1) + [6] * 256 + [1] * len(pieces)
     scores = [0.0] * (len(specials) + 256) + list(np.random.default_rng(seed).normal(size=len(pieces)))
     return GgufVocabulary(
         model="llama",
@@ -223,3 +231,39 @@ def test_sentencepiece_vocabulary_tokenizes_like_llama_cpp(seed: int, add_space_
     assert [vocab.tokens[i] for i in knight][-3:] == ["<0xE2>", "<0x99>", "<0x9E>"]
     # add_bos_token puts <bos> first.
     assert tokenizer.encode("hi").ids[0] == vocab.bos_token_id
+
+
+PHI3_TEXTS = [
+    "<|user|>\nWhat is gravity?<|end|>\n<|assistant|>\n",
+    "<|user|>  \t\n  two lines\n\nhere<|end|>  tail",
+    "end</s>  of text<|endoftext|>\n kept<s> kept too<unk>  and here",
+]
+
+
+def test_phi3_chat_tokens_swallow_the_whitespace_after_them_as_in_llama_cpp() -> None:
+    vocab = spm_vocabulary(0, add_space_prefix=True, specials=PHI3_SPECIALS)
+    strip = strip_after_tokens("Phi3 Mini", vocab.tokens, vocab.token_types)
+    # llama.cpp's rule for a model named Phi-3: every special token but <unk>, <s>, <|endoftext|>.
+    assert strip == {"</s>", "<|user|>", "<|end|>", "<|assistant|>"}
+    vocab = replace(vocab, strip_after=strip)
+    tokenizer = build_tokenizer(vocab)
+    reference = ReferenceSpm(
+        vocab.tokens, vocab.scores or [], list(PHI3_SPECIALS[1:]), add_space_prefix=True, strip_after=strip
+    )
+    for text in PHI3_TEXTS:
+        assert tokenizer.encode(text, add_special_tokens=False).ids == reference.encode(text), text
+    user = vocab.tokens.index("<|user|>")
+    assert (
+        tokenizer.encode("<|user|>\nHi", add_special_tokens=False).ids
+        == tokenizer.encode("<|user|>Hi", add_special_tokens=False).ids
+    )
+    assert tokenizer.encode("<|user|>\n", add_special_tokens=False).ids == [user]
+
+
+def test_only_a_model_named_phi3_strips_after_its_special_tokens() -> None:
+    vocab = spm_vocabulary(0, add_space_prefix=True, specials=PHI3_SPECIALS)
+    for name in ("Gemma 3", "Llama 2", ""):
+        assert strip_after_tokens(name, vocab.tokens, vocab.token_types) == frozenset(), name
+    assert strip_after_tokens("microsoft/Phi-3-mini", vocab.tokens, vocab.token_types)
+    newline = build_tokenizer(vocab).encode("<|user|>\n", add_special_tokens=False).ids
+    assert [vocab.tokens[i] for i in newline] == ["<|user|>", "\u2581", "\n"]

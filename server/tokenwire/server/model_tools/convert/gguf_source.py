@@ -24,7 +24,7 @@ from numpy.typing import NDArray
 
 from tokenwire.server.model_tools.convert.errors import UnsupportedModelError
 from tokenwire.server.model_tools.convert.gguf_file import open_gguf
-from tokenwire.server.model_tools.convert.gguf_tokenizer import GgufVocabulary
+from tokenwire.server.model_tools.convert.gguf_tokenizer import GgufVocabulary, strip_after_tokens
 from tokenwire.server.model_tools.convert.llama_model import (
     LinearWeight,
     LlamaConfig,
@@ -394,11 +394,13 @@ def _read_vocabulary(fields: _Fields) -> GgufVocabulary:
         value = fields.get(key)
         return None if value is None else int(value)
 
+    tokens = [str(t) for t in fields.require("tokenizer.ggml.tokens")]
+    token_types = [int(t) for t in fields.get("tokenizer.ggml.token_type", [])]
     return GgufVocabulary(
         model=str(fields.require("tokenizer.ggml.model")),
         pre=str(fields.get("tokenizer.ggml.pre", "default")),
-        tokens=[str(t) for t in fields.require("tokenizer.ggml.tokens")],
-        token_types=[int(t) for t in fields.get("tokenizer.ggml.token_type", [])],
+        tokens=tokens,
+        token_types=token_types,
         merges=[str(m) for m in fields.get("tokenizer.ggml.merges", [])],
         bos_token_id=optional_id("tokenizer.ggml.bos_token_id"),
         eos_token_id=optional_id("tokenizer.ggml.eos_token_id"),
@@ -412,4 +414,5 @@ def _read_vocabulary(fields: _Fields) -> GgufVocabulary:
         if (scores := fields.get("tokenizer.ggml.scores")) is not None
         else None,
         add_space_prefix=bool(fields.get("tokenizer.ggml.add_space_prefix", True)),
+        strip_after=strip_after_tokens(str(fields.get("general.name", "")), tokens, token_types),
     )

@@ -72,6 +72,8 @@ class GgufVocabulary:
     # SentencePiece-style vocabularies: a score per token, and whether text gets a leading space.
     scores: list[float] | None = None
     add_space_prefix: bool = True
+    # Tokens that swallow the whitespace after them when matched in text (llama.cpp's RSTRIP).
+    strip_after: frozenset[str] = frozenset()
 
     def token(self, token_id: int | None) -> str | None:
         if token_id is None or not 0 <= token_id < len(self.tokens):
@@ -100,6 +102,23 @@ class GgufVocabulary:
             if found is not None and found not in ids:
                 ids.append(found)
         return ids
+
+
+def strip_after_tokens(model_name: str, tokens: list[str], token_types: list[int]) -> frozenset[str]:
+    """The tokens llama.cpp strips the whitespace after, by its rule for a model named Phi-3.
+
+    The attribute is not in the file: llama.cpp sets it when general.name contains "phi-3" or
+    "phi3" (as Phi-3's own tokenizer.json marks its chat tokens rstrip), on every control,
+    user-defined and unknown token and </s>, but not <unk>, <s> or <|endoftext|>. (`tokenizers`
+    strips Unicode whitespace there, llama.cpp only ASCII: they differ only for a character such
+    as U+3000 right after a chat token.)
+    """
+    name = model_name.lower()
+    if "phi-3" not in name and "phi3" not in name:
+        return frozenset()
+    marked = {TOKEN_CONTROL, TOKEN_USER_DEFINED, TOKEN_UNKNOWN}
+    special = {t for i, t in enumerate(tokens) if i < len(token_types) and token_types[i] in marked}
+    return frozenset((special | {"</s>"}) - {"<unk>", "<s>", "<|endoftext|>"})
 
 
 def pre_tokenizer_for(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -201,12 +220,12 @@ def build_tokenizer(vocab: GgufVocabulary) -> Tokenizer:
     # Control tokens are matched in text before BPE runs (as chat-template markup must be) and
     # are dropped by decode(skip_special_tokens=True); user-defined ones are matched but kept.
     control = [
-        AddedToken(t, special=True, normalized=False)
+        AddedToken(t, special=True, normalized=False, rstrip=t in vocab.strip_after)
         for i, t in enumerate(vocab.tokens)
         if vocab.type_of(i) == TOKEN_CONTROL or t in _END_OF_TURN_MARKERS
     ]
     user = [
-        AddedToken(t, special=False, normalized=False)
+        AddedToken(t, special=False, normalized=False, rstrip=t in vocab.strip_after)
         for i, t in enumerate(vocab.tokens)
         if vocab.type_of(i) == TOKEN_USER_DEFINED
     ]
