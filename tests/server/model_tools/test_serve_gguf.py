@@ -82,7 +82,7 @@ async def test_serve_converts_a_gguf_file_and_serves_it_under_the_files_name(
     monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
     own = tmp_path / "my-model.gguf"
     shutil.copyfile(mixed_gguf.path, own)
-    served = await asyncio.to_thread(start_serve, "--model", str(own))
+    served = await asyncio.to_thread(start_serve, "--model", str(own), "--no-metrics")
     try:
         async with AsyncClient(f"127.0.0.1:{served.port}", retries=False) as client:
             models = await client.list_models()
