@@ -198,27 +198,53 @@ def test_log_probabilities_come_from_each_verified_position_as_without_speculati
 
 
 def test_seeded_sampling_gives_the_same_tokens_with_speculation_on_and_off() -> None:
-    sampling = SamplingParams(temperature=0.7, seed=5)
+    sampling = SamplingParams(temperature=0.1, seed=5)  # the model's token about 99% of the time
     off, on = both([A, B, C, D, E, A, B], tokens=16, sampling=sampling)
     assert on.result("r").token_ids == off.result("r").token_ids
     assert on.engine.stats.draft_tokens > 0
 
 
 def test_a_request_whose_drafts_keep_failing_stops_drafting_then_tries_again() -> None:
-    # The prompt repeats "a X" so every draft after a is X; the model never says X after a.
-    bench = Bench(speculative_tokens=2)
-    bench.submit("r", [A, X, B, X, C, X, D, X, E, X, A], tokens=40)
-    verifications: list[bool] = []
+    # The model counts up (t, t + 1, ...), so its output never repeats itself; the prompt has
+    # every pair "t t+1" followed by X, so every draft starts with X, which the model never says.
+    chain = list(range(150, 215))
+    assert X not in chain
+    prompt = [token for t in chain[:-1] for token in (t, t + 1, X)] + [chain[0]]
+    bench = Bench(speculative_tokens=2, follows={t: t + 1 for t in chain})
+    bench.submit("r", prompt, tokens=60)
+    verified: list[bool] = []
     while not bench.done("r"):
         runs_before = len(bench.runner.runs)
         bench.engine.run_round()
-        verifications.append(len(bench.runner.runs) > runs_before)
-    first = verifications.index(True)
-    failing = verifications[first : first + ADAPTIVE_WINDOW]
-    assert failing == [True] * ADAPTIVE_WINDOW
-    paused = verifications[first + ADAPTIVE_WINDOW : first + ADAPTIVE_WINDOW + PAUSE_STEPS]
-    assert paused == [False] * PAUSE_STEPS
-    assert verifications[first + ADAPTIVE_WINDOW + PAUSE_STEPS], "drafting resumes after the pause"
+        verified.append(len(bench.runner.runs) > runs_before)
+    assert bench.engine.stats.accepted_draft_tokens == 0
+    first = verified.index(True)
+    window_end = first + ADAPTIVE_WINDOW
+    assert verified[first:window_end] == [True] * ADAPTIVE_WINDOW
+    # A pause, one verification that fails alone, then a pause twice as long.
+    assert verified[window_end : window_end + PAUSE_STEPS] == [False] * PAUSE_STEPS
+    assert verified[window_end + PAUSE_STEPS]
+    second = window_end + PAUSE_STEPS + 1
+    assert verified[second : second + 2 * PAUSE_STEPS] == [False] * (2 * PAUSE_STEPS)
+    assert verified[second + 2 * PAUSE_STEPS]
+
+
+def test_a_verification_that_passes_after_a_pause_ends_the_streak() -> None:
+    from tokenwire.server.engine.speculation import SpeculationSettings, Speculator
+
+    speculator = Speculator(SpeculationSettings(tokens=4, max_batch=1))
+    for _ in range(ADAPTIVE_WINDOW):
+        speculator.record(1, drafted=4, accepted=0)
+    history = speculator._history[1]
+    assert history.paused_for == PAUSE_STEPS
+    history.paused_for = 0
+    speculator.record(1, drafted=4, accepted=0)
+    assert history.paused_for == 2 * PAUSE_STEPS
+    history.paused_for = 0
+    speculator.record(1, drafted=4, accepted=3)
+    assert history.failures == 0 and history.paused_for == 0
+    speculator.record(1, drafted=4, accepted=0)
+    assert history.paused_for == 0, "judged over a window again"
 
 
 def test_a_decode_step_with_more_rows_than_the_speculative_batch_does_not_speculate() -> None:

@@ -28,11 +28,16 @@ When not to draft:
 - a request with a response format (the constraint is not checked against drafts);
 - a decode step with more than `max_batch` rows: there a step is compute-bound on a CPU and a
   verification costs more than it can gain (BENCHMARKS.md, section 12);
-- a request whose drafts keep failing: after each of its verifications, when its last
-  `ADAPTIVE_WINDOW` verifications accepted less than `MIN_ACCEPTANCE` of what they drafted, it
-  stops drafting for its next `PAUSE_STEPS` decode steps that could speculate, then tries again
-  afresh. At batch 1 a
-  K = 4 verification costs about 2 decode steps, so a step must keep one draft in four to pay.
+- a request whose drafts keep failing: once its last `ADAPTIVE_WINDOW` verifications accepted
+  less than `MIN_ACCEPTANCE` of what they drafted, it stops drafting for its next `PAUSE_STEPS`
+  decode steps that could speculate; its first verification after that is judged alone, and if
+  it fails too the pause doubles (up to `MAX_PAUSE_STEPS`), while one that passes ends the streak.
+  At batch 1 a K = 4 verification costs about 2 decode steps on this CPU, so a step must keep
+  one draft in four to pay; free chat, whose drafts rarely match, then costs a verification
+  every few hundred steps instead of every few.
+
+Drafts come from a match of at least 2 trailing tokens (`MIN_NGRAM`): a single repeated token is
+weak evidence of what follows (a common word, a bracket), and such drafts are mostly rejected.
 
 Used from the engine thread only; the per-request drafting history lives here, keyed by the
 request's engine key, and is dropped when the request ends.
@@ -57,6 +62,10 @@ MIN_ACCEPTANCE = 0.25
 """Below this share of drafted tokens accepted over the window, a request pauses drafting."""
 PAUSE_STEPS = 16
 """Decode steps a request goes without drafting after its drafts kept failing."""
+MAX_PAUSE_STEPS = 512
+"""The longest pause, after failing again and again."""
+MIN_NGRAM = 2
+"""The fewest trailing tokens a draft's match must cover."""
 
 Describe = Callable[[np.ndarray, int], TokenLogprobs]
 """The log-probabilities of a token, from the raw logits of the position that chose it."""
@@ -78,6 +87,8 @@ class _DraftHistory:
     """(drafted, accepted) of its latest verification steps."""
     paused_for: int = 0
     """Decode steps left before it drafts again."""
+    failures: int = 0
+    """Pauses in a row: each one after the first doubles."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +114,7 @@ class Speculator:
 
     def __init__(self, settings: SpeculationSettings) -> None:
         self._settings = settings
-        self._lookup = LookupSettings(max_tokens=max(1, settings.tokens))
+        self._lookup = LookupSettings(max_tokens=max(1, settings.tokens), min_ngram=MIN_NGRAM)
         self._history: dict[int, _DraftHistory] = {}
 
     @property
@@ -143,6 +154,14 @@ class Speculator:
     def record(self, key: int, *, drafted: int, accepted: int) -> None:
         """Take a row's verification into its history; pause its drafting if they keep failing."""
         history = self._history.setdefault(key, _DraftHistory())
+        failing = accepted < MIN_ACCEPTANCE * drafted
+        if history.failures:
+            # The first verification after a pause: it alone decides.
+            if failing:
+                history.failures += 1
+                history.paused_for = min(PAUSE_STEPS * 2 ** (history.failures - 1), MAX_PAUSE_STEPS)
+                return
+            history.failures = 0
         history.recent.append((drafted, accepted))
         if len(history.recent) < ADAPTIVE_WINDOW:
             return
@@ -150,6 +169,7 @@ class Speculator:
         total_accepted = sum(a for _, a in history.recent)
         if total_accepted < MIN_ACCEPTANCE * total_drafted:
             history.recent.clear()
+            history.failures = 1
             history.paused_for = PAUSE_STEPS
 
     def forget(self, key: int) -> None:
