@@ -194,6 +194,8 @@ class RequestRecord:
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             cached_prompt_tokens=result.cached_prompt_tokens,
+            draft_tokens=result.draft_tokens,
+            accepted_draft_tokens=result.accepted_draft_tokens,
             caller=self._caller,
         )
 
