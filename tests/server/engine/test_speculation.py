@@ -307,3 +307,37 @@ def test_speculative_tokens_out_of_range_is_refused_at_start_naming_the_flag(val
     assert any(
         p.startswith("--speculative-tokens: must be between 0 (off) and 16") for p in raised.value.problems
     ), raised.value.problems
+
+
+def test_a_request_with_a_response_format_does_not_draft() -> None:
+    from tokenwire.server.engine.output import RequestOutput
+    from tokenwire.server.engine.speculation import SpeculationSettings, Speculator
+
+    class AnyToken:
+        """A stand-in constraint: the speculator only asks whether a request has one."""
+
+        error = None
+
+    def output(constraint: object | None) -> RequestOutput:
+        request = GenerationRequest(
+            request_id="r",
+            model="fake",
+            prompt_ids=(A, B, C, D, E, A),
+            sampling=SamplingParams(),
+            stopping=StopConditions(max_new_tokens=20),
+            received_at=0.0,
+        )
+        made = RequestOutput(
+            request=request,
+            tokenizer=TOKENIZER,
+            eos_token_ids=frozenset(),
+            context_length=256,
+            started_at=0.0,
+        )
+        made.output_ids.append(B)
+        made.constraint = constraint  # type: ignore[assignment]
+        return made
+
+    speculator = Speculator(SpeculationSettings(tokens=4, max_batch=2))
+    assert speculator.drafts([1], [output(None)]) == [[C, D, E, A]]
+    assert speculator.drafts([2], [output(AnyToken())]) is None
