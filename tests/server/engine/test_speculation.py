@@ -341,3 +341,21 @@ def test_a_request_with_a_response_format_does_not_draft() -> None:
     speculator = Speculator(SpeculationSettings(tokens=4, max_batch=2))
     assert speculator.drafts([1], [output(None)]) == [[C, D, E, A]]
     assert speculator.drafts([2], [output(AnyToken())]) is None
+
+
+def test_a_cancel_lands_at_the_next_step_boundary_with_every_token_of_the_steps_before() -> None:
+    from tokenwire.server.engine.types import AbortReason
+
+    bench = Bench()
+    bench.submit("r", [A, B, C, D, E, A, B], tokens=40)
+    for _ in range(3):  # the prefill, then two steps of accepted drafts
+        bench.engine.run_round()
+    before = bench.streamed("r")
+    assert len(before) > 3, "the steps gained several tokens each"
+    bench.engine.abort(bench.keys["r"], AbortReason.CANCELLED)
+    bench.engine.run_round()
+    result = bench.result("r")
+    assert result.finish_reason is FinishReason.CANCELLED
+    assert list(result.token_ids) == before == bench.streamed("r")
+    assert bench.engine.stats.max_abort_latency_steps <= 1
+    assert bench.keys["r"] not in bench.runner.kv, "its KV cache is freed at once"
