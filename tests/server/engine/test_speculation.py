@@ -11,6 +11,7 @@ same runner with speculation off.
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Callable
 
@@ -269,12 +270,16 @@ def test_a_decode_step_with_more_rows_than_the_speculative_batch_does_not_specul
         assert bench.result(request_id).token_ids == off.result(request_id).token_ids
 
 
-def test_a_runner_that_cannot_decode_runs_never_gets_any() -> None:
+def test_a_runner_that_cannot_decode_runs_never_gets_any_and_the_log_says_so(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     bench = Bench()
     bench.runner.can_decode_runs = False
-    bench.engine = Engine(
-        bench.runner, TOKENIZER, EngineConfig(max_batch_size=4, speculative_tokens=4), clock=bench.clock
-    )
+    with caplog.at_level(logging.INFO, logger="tokenwire.server.engine.engine"):
+        bench.engine = Engine(
+            bench.runner, TOKENIZER, EngineConfig(max_batch_size=4, speculative_tokens=4), clock=bench.clock
+        )
+    assert "speculative decoding: off for fake: its graph cannot append several tokens" in caplog.text
     bench.submit("r", [A, B, C, D, E, A], tokens=8)
     bench.run()
     assert bench.runner.runs == []
