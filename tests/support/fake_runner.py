@@ -153,3 +153,64 @@ class RowCopyingRunner(FixedLogitsRunner):
         self.lengths[seq_id] = length
         self.loads.append((seq_id, length))
         return length
+
+
+@dataclass
+class FollowingRunner(FixedLogitsRunner):
+    """A deterministic model that appends several tokens per row and rolls them back
+    (`MultiTokenDecode`): after token t it predicts `follows[t]` (else `token`), with logit 1.0
+    and 0 elsewhere. It keeps every sequence's KV contents as the token ids appended, so a test
+    can check that rolled-back positions are gone, and records each call's run lengths."""
+
+    follows: dict[int, int] = field(default_factory=dict)
+    can_decode_runs: bool = True
+    kv: dict[int, list[int]] = field(default_factory=dict)
+    runs: list[tuple[int, ...]] = field(default_factory=list)
+    """The run length of every row, per `decode_runs` call."""
+    rollbacks: list[tuple[int, int]] = field(default_factory=list)
+
+    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+        self.kv[seq_id] = self.kv.get(seq_id, [])[:start] + list(token_ids)
+        super().prefill(seq_id, token_ids, start=start)
+        row: np.ndarray = self._predict([token_ids[-1]])[0]
+        return row
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        super().decode(seq_ids, token_ids)
+        for seq_id, token in zip(seq_ids, token_ids, strict=True):
+            self._append(seq_id, [token])
+        return self._predict(token_ids)
+
+    def decode_runs(self, seq_ids: Sequence[int], runs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        if not self.can_decode_runs and any(len(run) > 1 for run in runs):
+            raise RuntimeError("this runner decodes one token a row")
+        self.decodes.append(tuple(seq_ids))
+        self.runs.append(tuple(len(run) for run in runs))
+        self._take_time()
+        for seq_id, run in zip(seq_ids, runs, strict=True):
+            self._append(seq_id, run)
+        return [self._predict(run) for run in runs]
+
+    def rollback(self, seq_id: int, count: int) -> None:
+        self.rollbacks.append((seq_id, count))
+        kept = len(self.kv[seq_id]) - count
+        if kept < 0:
+            raise RuntimeError(f"sequence {seq_id} cannot drop {count} positions")
+        del self.kv[seq_id][kept:]
+
+    def release(self, seq_id: int) -> None:
+        self.kv.pop(seq_id, None)
+        super().release(seq_id)
+
+    def _append(self, seq_id: int, tokens: Sequence[int]) -> None:
+        if seq_id not in self.kv:
+            raise RuntimeError(f"sequence {seq_id} holds no slot")
+        if len(self.kv[seq_id]) + len(tokens) > self.context_length:
+            raise RuntimeError(f"sequence {seq_id} would run past the end of its KV cache")
+        self.kv[seq_id].extend(tokens)
+
+    def _predict(self, tokens: Sequence[int]) -> np.ndarray:
+        logits = np.zeros((len(tokens), self.vocab_size), dtype=np.float32)
+        for row, token in enumerate(tokens):
+            logits[row, self.follows.get(int(token), self.token)] = 1.0
+        return logits

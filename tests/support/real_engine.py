@@ -41,18 +41,28 @@ class RealEngine:
             ),
         )
         self.layout = loaded.info.format
+        self.runner = loaded.runner
+        self.tokenizer = loaded.tokenizer
         self.engine = Engine(loaded.runner, loaded.tokenizer, config)
         self.events: dict[str, list[EngineEvent]] = defaultdict(list)
         self._ids = itertools.count()
 
-    def submit(self, prompt: list[int], *, tokens: int = 8, caller: Caller = ANONYMOUS) -> str:
+    def submit(
+        self,
+        prompt: list[int],
+        *,
+        tokens: int = 8,
+        caller: Caller = ANONYMOUS,
+        stop: tuple[str, ...] = (),
+        sampling: SamplingParams | None = None,
+    ) -> str:
         request_id = f"r{next(self._ids)}"
         request = GenerationRequest(
             request_id=request_id,
             model="tiny",
             prompt_ids=tuple(prompt),
-            sampling=SamplingParams(),
-            stopping=StopConditions(max_new_tokens=tokens, ignore_eos=True),
+            sampling=sampling or SamplingParams(),
+            stopping=StopConditions(max_new_tokens=tokens, stop_strings=stop, ignore_eos=True),
             received_at=0.0,
             logprobs=True,
             top_logprobs=3,

@@ -117,6 +117,8 @@ def generation(message: pb.GenerateResponse) -> Generation:
         prompt_tokens=message.usage.prompt_tokens,
         completion_tokens=message.usage.completion_tokens,
         cached_prompt_tokens=message.usage.cached_prompt_tokens,
+        accepted_draft_tokens=message.usage.accepted_draft_tokens,
+        draft_tokens=message.usage.draft_tokens,
         timing=timing(message.timing),
         logprobs=tuple(logprob(lp) for lp in message.logprobs),
     )

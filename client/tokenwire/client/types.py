@@ -116,6 +116,10 @@ class Generation:
     logprobs: tuple[TokenLogprob, ...] = ()
     cached_prompt_tokens: int = 0
     """Prompt tokens the server took from its prefix cache instead of processing them."""
+    accepted_draft_tokens: int = 0
+    """Of completion_tokens, speculative drafts the model accepted (0 without speculation)."""
+    draft_tokens: int = 0
+    """Speculative draft tokens the server verified for this request, accepted or not."""
 
 
 @dataclass(frozen=True)

@@ -515,6 +515,8 @@ class Usage(_message.Message):
     PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
     COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    ACCEPTED_DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
+    DRAFT_TOKENS_FIELD_NUMBER: _builtins.int
     prompt_tokens: _builtins.int
     """Tokens in the prompt after tokenization or chat-template rendering."""
     completion_tokens: _builtins.int
@@ -525,16 +527,27 @@ class Usage(_message.Message):
     Only requests of the same caller, or of a caller in its group of the server's token file,
     are reused: this never counts what another caller's request computed.
     """
+    accepted_draft_tokens: _builtins.int
+    """Of completion_tokens, those that were speculative draft tokens (proposed from the prompt and
+    the output so far) which the model accepted: tokens that cost no decode step of their own.
+    0 when the server runs without speculative decoding or the request did not speculate.
+    """
+    draft_tokens: _builtins.int
+    """Speculative draft tokens the model verified for this request, accepted or not;
+    accepted_draft_tokens / draft_tokens is the request's acceptance rate.
+    """
     def __init__(
         self,
         *,
         prompt_tokens: _builtins.int = ...,
         completion_tokens: _builtins.int = ...,
         cached_prompt_tokens: _builtins.int = ...,
+        accepted_draft_tokens: _builtins.int = ...,
+        draft_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["accepted_draft_tokens", b"accepted_draft_tokens", "cached_prompt_tokens", b"cached_prompt_tokens", "completion_tokens", b"completion_tokens", "draft_tokens", b"draft_tokens", "prompt_tokens", b"prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -44,6 +44,10 @@ class ObserverFanOut:
         for observer in self._observers:
             observer.prefill_chunk(model=model, tokens=tokens, seconds=seconds)
 
+    def drafts_verified(self, *, model: str, drafted: int, accepted: int) -> None:
+        for observer in self._observers:
+            observer.drafts_verified(model=model, drafted=drafted, accepted=accepted)
+
     def preempted(self, *, model: str, caller: str) -> None:
         for observer in self._observers:
             observer.preempted(model=model, caller=caller)

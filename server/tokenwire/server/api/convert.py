@@ -139,6 +139,8 @@ def generate_response(result: GenerationResult, *, include_outputs: bool = True)
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             cached_prompt_tokens=result.cached_prompt_tokens,
+            accepted_draft_tokens=result.accepted_draft_tokens,
+            draft_tokens=result.draft_tokens,
         ),
         timing=timing(result.timing),
     )

@@ -5,7 +5,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from tokenwire.server.engine.drafting import MAX_DRAFT_TOKENS
 from tokenwire.server.settings_schema import ENGINE, setting
+
+
+def _draft_tokens_problem(value: int) -> str | None:
+    if 0 <= value <= MAX_DRAFT_TOKENS:
+        return None
+    return f"must be between 0 (off) and {MAX_DRAFT_TOKENS} draft tokens, not {value}"
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,24 @@ class EngineConfig:
         "when another caller holds more; needs a KV cache in host memory",
         group=ENGINE,
     )
+    speculative_tokens: int = setting(
+        0,
+        f"prompt-lookup speculative decoding: most draft tokens verified per sequence and step "
+        f"(0 turns it off; at most {MAX_DRAFT_TOKENS}); greedy and sampled output keep their meaning, "
+        "requests with a response format do not speculate",
+        group=ENGINE,
+        check=_draft_tokens_problem,
+    )
+    speculative_max_batch: int = setting(
+        2,
+        "most sequences in a decode step for it to speculate: beyond it a step is compute-bound on "
+        "a CPU and verifying drafts costs more than they gain",
+        group=ENGINE,
+        minimum=1,
+    )
+    """2: from section 12 of BENCHMARKS.md, a K = 4 verification costs 2x a decode step at batch 1
+    and 2.7x at batch 2 (each speculating row is a model call of its own on the shared-buffer
+    layout), 3.7x at batch 4, where a row gains at most 5 tokens."""
 
     @property
     def max_step_seconds(self) -> float | None:

@@ -3,7 +3,8 @@
 The engine core is the mechanism under the scheduler's policy. For each plan it ends the
 requests the plan ends, swaps the planned generation out and the admitted ones in, runs the
 prompt work within its budget (with prefix-cache copies through kv_reuse.py), runs one batched
-decode step, samples a token per row, updates each request's output (detokenizer, stop strings,
+decode step (verifying the rows' speculative drafts in it, through speculation.py), samples a
+token per row, updates each request's output (detokenizer, stop strings,
 log-probabilities) and finishes the requests that are done. It answers with what it did
 (plan.RoundOutcome). Every request leaves through `finish`, which emits its terminal event.
 
@@ -12,6 +13,7 @@ Used from the engine thread only.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -27,6 +29,7 @@ from tokenwire.server.engine.output import RequestOutput, timing_report
 from tokenwire.server.engine.pacing import chunk_length
 from tokenwire.server.engine.plan import Abort, Finished, RoundOutcome, RoundPlan
 from tokenwire.server.engine.request import Request
+from tokenwire.server.engine.speculation import Describe, SpeculationSettings, Speculator, verify_run
 from tokenwire.server.engine.stats import EngineStats
 from tokenwire.server.engine.types import (
     Completed,
@@ -40,7 +43,7 @@ from tokenwire.server.engine.types import (
     TokenLogprobs,
     TokensGenerated,
 )
-from tokenwire.server.models.runner import ModelRunner
+from tokenwire.server.models.runner import ModelRunner, MultiTokenDecode
 from tokenwire.server.sampling.constraint import MaskWorkspace
 from tokenwire.server.sampling.logprobs import token_logprob
 from tokenwire.server.sampling.sampler import pick_tokens
@@ -66,9 +69,11 @@ class EngineCore:
         forget: Callable[[int], None],
         publish_step: Callable[[int], None],
         clock: Callable[[], float] = time.monotonic,
+        speculation: SpeculationSettings | None = None,
     ) -> None:
         """`emit` queues an event for delivery and `flush` delivers what is queued; `forget` tells
-        the engine a request has ended; `publish_step` tells it the count of decode steps."""
+        the engine a request has ended; `publish_step` tells it the count of decode steps.
+        `speculation` is honoured only on a runner that can decode runs of tokens."""
         self._runner = runner
         self._tokenizer = tokenizer
         self._kv = kv
@@ -84,6 +89,12 @@ class EngineCore:
         self._outputs: dict[int, RequestOutput] = {}
         """The output of every request that has started, swapped-out ones included."""
         self._outcome = RoundOutcome()
+        self._multi: MultiTokenDecode | None = None
+        if isinstance(runner, MultiTokenDecode) and runner.can_decode_runs:
+            self._multi = runner
+        self._speculator = Speculator(
+            speculation if speculation is not None and self._multi is not None else SpeculationSettings(0, 1)
+        )
 
     def execute(self, plan: RoundPlan) -> RoundOutcome:
         self._outcome = outcome = RoundOutcome()
@@ -212,9 +223,16 @@ class EngineCore:
         if not rows:
             return
         outputs = [self._outputs[r.key] for r in rows]
+        drafts = self._speculator.drafts([r.key for r in rows], outputs)
         began = self._clock()
         try:
-            logits = self._runner.decode([r.key for r in rows], [o.last_token for o in outputs])
+            if drafts is None:
+                logits = self._runner.decode([r.key for r in rows], [o.last_token for o in outputs])
+            else:
+                assert self._multi is not None
+                runs = self._multi.decode_runs(
+                    [r.key for r in rows], [[o.last_token, *d] for o, d in zip(outputs, drafts, strict=True)]
+                )
         except Exception as error:
             log.exception("decode step failed for %d sequences", len(rows))
             self._stats.step_failures += 1
@@ -229,7 +247,45 @@ class EngineCore:
         self._stats.decoded_rows += len(rows)
         self._publish_step(self._stats.decode_steps)
         self._observer.decode_step(model=self._model, batch_size=len(rows), seconds=now - began)
-        self._accept_tokens(rows, logits, now)
+        if drafts is None:
+            self._accept_tokens(rows, logits, now)
+            return
+        plain = [i for i, d in enumerate(drafts) if not d]
+        if plain:
+            self._accept_tokens([rows[i] for i in plain], np.concatenate([runs[i] for i in plain]), now)
+        for request, row_drafts, row_logits in zip(rows, drafts, runs, strict=True):
+            if row_drafts:
+                self._accept_run(request, row_logits, row_drafts, now)
+
+    def _accept_run(self, request: Request, logits: np.ndarray, drafts: list[int], now: float) -> None:
+        """Verify one row's drafts, emit the tokens it gained, roll back the rest of its run."""
+        assert self._multi is not None
+        output = self._outputs[request.key]
+        top_n = request.spec.top_logprobs
+        describe: Describe | None = None
+        if request.spec.logprobs:
+            describe = functools.partial(self._token_logprobs, top_n=top_n)
+        run = verify_run(output, logits, drafts, now, describe)
+        if run.rollback:
+            try:
+                self._multi.rollback(request.key, run.rollback)
+            except Exception as error:
+                log.exception("rolling back drafts failed for request %s", request.spec.request_id)
+                self._stats.step_failures += 1
+                self.finish(request, _model_error(error), now)
+                return
+        self._speculator.record(request.key, drafted=len(drafts), accepted=run.accepted)
+        output.drafted_tokens += len(drafts)
+        output.accepted_draft_tokens += run.accepted
+        self._stats.speculative_rows += 1
+        self._stats.draft_tokens += len(drafts)
+        self._stats.accepted_draft_tokens += run.accepted
+        self._observer.drafts_verified(model=self._model, drafted=len(drafts), accepted=run.accepted)
+        # The scheduler counts one token for every decoded row; these are the rest.
+        self._outcome.extra_tokens[request.key] = run.gained - 1
+        self._emit(request.sink, run.event)
+        if run.finish is not None:
+            self.finish(request, run.finish, now)
 
     def _accept_tokens(self, rows: list[Request], logits: np.ndarray, now: float) -> None:
         """Sample one token per row, emit it, and finish the rows that are done."""
@@ -274,6 +330,7 @@ class EngineCore:
         the observer.
         """
         output = self._outputs.pop(request.key, None)
+        self._speculator.forget(request.key)
         if abort is not None:
             self._count_abort(abort, started=output is not None)
         prompt_tokens = request.prompt_length

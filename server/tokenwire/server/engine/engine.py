@@ -35,6 +35,7 @@ from tokenwire.server.engine.plan import Abort
 from tokenwire.server.engine.prefix_cache import PrefixCacheStats
 from tokenwire.server.engine.request import Request
 from tokenwire.server.engine.scheduler import Scheduler, SchedulerConfig
+from tokenwire.server.engine.speculation import SpeculationSettings, startup_note
 from tokenwire.server.engine.stats import EngineStats
 from tokenwire.server.engine.types import (
     AbortReason,
@@ -114,6 +115,8 @@ class Engine:
         for note in self._kv.notes:
             log.info("%s", note)
         slots = min(config.max_batch_size, runner.capacity())
+        speculation = SpeculationSettings(config.speculative_tokens, config.speculative_max_batch)
+        log.info("%s", startup_note(runner, speculation, slots))
         self._scheduler = Scheduler(
             SchedulerConfig(
                 slots=slots,
@@ -138,6 +141,7 @@ class Engine:
             forget=self._forget,
             publish_step=self._publish_step,
             clock=clock,
+            speculation=speculation,
         )
         self._inbox.prefix_cache = self._kv.prefix_stats()
 

@@ -29,6 +29,9 @@ class EngineObserver(Protocol):
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         """One prompt chunk was processed."""
 
+    def drafts_verified(self, *, model: str, drafted: int, accepted: int) -> None:
+        """One row of a decode step verified `drafted` speculative draft tokens and kept `accepted`."""
+
     def preempted(self, *, model: str, caller: str) -> None:
         """A running generation of `caller` was swapped out of its slot for a request owed it."""
 
@@ -62,6 +65,9 @@ class NullObserver:
         return None
 
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
+        return None
+
+    def drafts_verified(self, *, model: str, drafted: int, accepted: int) -> None:
         return None
 
     def preempted(self, *, model: str, caller: str) -> None:

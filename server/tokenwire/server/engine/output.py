@@ -48,6 +48,10 @@ class RequestOutput:
     """Prompt tokens whose KV rows were copied from the prefix cache instead of prefilled."""
     prefill_seconds: float = 0.0
     """Time spent on this prompt's own model calls and cache copies (not waiting on others)."""
+    drafted_tokens: int = 0
+    """Speculative draft tokens verified for this request."""
+    accepted_draft_tokens: int = 0
+    """Of `drafted_tokens`, those accepted (each is one of `output_ids`)."""
     output_ids: list[int] = field(default_factory=list)
     text_parts: list[str] = field(default_factory=list)
     logprobs: list[TokenLogprobs] = field(default_factory=list)
@@ -121,6 +125,8 @@ class RequestOutput:
             timing=self.timing(now),
             logprobs=tuple(self.logprobs),
             cached_prompt_tokens=self.cached_prompt_tokens,
+            draft_tokens=self.drafted_tokens,
+            accepted_draft_tokens=self.accepted_draft_tokens,
         )
 
     def timing(self, now: float) -> TimingReport:

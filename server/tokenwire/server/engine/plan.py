@@ -101,6 +101,9 @@ class RoundOutcome:
     """Requests whose prompt is done and that sampled their first token: they decode from now on."""
     decoded: list[int] = field(default_factory=list)
     """Rows the decode step gave a token."""
+    extra_tokens: dict[int, int] = field(default_factory=dict)
+    """Of the decoded rows, those that gained more than one token (accepted speculative drafts):
+    how many more."""
     finished: list[Finished] = field(default_factory=list)
     """Every request that ended this round, whatever ended it."""
     preemption_failed: bool = False

@@ -448,8 +448,9 @@ class Scheduler:
             self._decoding[key] = request
         for key in outcome.decoded:
             request = self._requests[key]
-            request.computed_tokens += 1
-            request.generated_tokens += 1
+            gained = 1 + outcome.extra_tokens.get(key, 0)
+            request.computed_tokens += gained
+            request.generated_tokens += gained
         if outcome.preemption_failed:
             self._undo_preemption()
         self._planned_preemption = None

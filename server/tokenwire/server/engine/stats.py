@@ -32,3 +32,9 @@ class EngineStats:
     """Running generations swapped out of their slot for a request owed it."""
     resumptions: int = 0
     """Swapped-out generations swapped back in."""
+    speculative_rows: int = 0
+    """Decode-step rows that verified speculative drafts."""
+    draft_tokens: int = 0
+    """Draft tokens verified."""
+    accepted_draft_tokens: int = 0
+    """Of `draft_tokens`, those accepted: tokens gained beyond one per decoded row."""

@@ -173,6 +173,10 @@ class GenerationResult:
     logprobs: tuple[TokenLogprobs, ...] = ()
     cached_prompt_tokens: int = 0
     """Prompt tokens whose KV cache came from the prefix cache instead of a prefill."""
+    draft_tokens: int = 0
+    """Speculative draft tokens verified for this request (0 when it did not speculate)."""
+    accepted_draft_tokens: int = 0
+    """Of `draft_tokens`, those accepted: generated tokens that cost no model call of their own."""
 
     @property
     def completion_tokens(self) -> int:

@@ -51,12 +51,20 @@ def timing(report: TimingReport) -> dict[str, object]:
 
 
 def usage(result: GenerationResult) -> dict[str, object]:
-    return {
+    found: dict[str, object] = {
         "prompt_tokens": result.prompt_tokens,
         "completion_tokens": result.completion_tokens,
         "total_tokens": result.prompt_tokens + result.completion_tokens,
         "prompt_tokens_details": {"cached_tokens": result.cached_prompt_tokens},
     }
+    if result.draft_tokens:
+        # OpenAI's names for a prediction's tokens the model kept and those it did not: the
+        # nearest thing its API has to speculative drafts.
+        found["completion_tokens_details"] = {
+            "accepted_prediction_tokens": result.accepted_draft_tokens,
+            "rejected_prediction_tokens": result.draft_tokens - result.accepted_draft_tokens,
+        }
+    return found
 
 
 def completion(identity: Identity, result: GenerationResult, *, logprobs: bool) -> bytes:

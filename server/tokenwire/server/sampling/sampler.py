@@ -161,7 +161,10 @@ def _apply_repetition_penalty(logits: np.ndarray, seen: np.ndarray, penalty: flo
         logits[seen] = np.where(values > 0, values / penalty, values * penalty)
 
 
-def _sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+def sampling_distribution(logits: np.ndarray, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens a sampled row can draw and their weights, after temperature, top-k, top-p and
+    min-p: (token ids most likely first, weights not yet normalized). One code path for drawing
+    a token and for checking what a speculative verification draws from."""
     scaled = logits.astype(np.float64) / params.temperature
     vocab = scaled.shape[0]
     if 0 < params.top_k < vocab:
@@ -189,8 +192,12 @@ def _sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator
         keep = min(keep, int(np.searchsorted(cumulative, params.top_p, side="left")) + 1)
     if params.min_p > 0.0:
         keep = min(keep, max(1, int(np.count_nonzero(probs >= params.min_p * probs[0]))))
-    probs = probs[:keep]
+    return candidates[:keep], probs[:keep]
+
+
+def _sample(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    candidates, probs = sampling_distribution(logits, params)
     cumulative = np.cumsum(probs)
     draw = rng.random() * cumulative[-1]
-    index = min(int(np.searchsorted(cumulative, draw, side="right")), keep - 1)
+    index = min(int(np.searchsorted(cumulative, draw, side="right")), len(candidates) - 1)
     return int(candidates[index])

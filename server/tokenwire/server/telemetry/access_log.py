@@ -39,6 +39,13 @@ class AccessLog:
             "prompt_tokens": summary.prompt_tokens,
             "completion_tokens": summary.completion_tokens,
             "cached_prompt_tokens": summary.cached_prompt_tokens,
+            "draft_tokens": summary.draft_tokens,
+            "accepted_draft_tokens": summary.accepted_draft_tokens,
+            "draft_acceptance": (
+                round(summary.accepted_draft_tokens / summary.draft_tokens, 3)
+                if summary.draft_tokens
+                else None
+            ),
             "queued_ms": _ms(stages.queued),
             "ttft_ms": _ms(stages.first_token),
             "paced_ms": _ms(stages.paced),

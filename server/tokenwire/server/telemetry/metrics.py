@@ -30,6 +30,8 @@ PROMPT_TOKENS = "tokenwire.server.prompt_tokens"
 GENERATED_TOKENS = "tokenwire.server.generated_tokens"
 DECODE_STEPS = "tokenwire.engine.decode_steps"
 PREEMPTIONS = "tokenwire.engine.preemptions"
+DRAFT_TOKENS = "tokenwire.engine.draft_tokens"
+ACCEPTED_DRAFT_TOKENS = "tokenwire.engine.accepted_draft_tokens"
 QUEUE_DEPTH = "tokenwire.engine.queue.depth"
 BATCH_SIZE = "tokenwire.engine.batch.size"
 KV_CACHE_USAGE = "tokenwire.engine.kv_cache.usage"
@@ -150,6 +152,14 @@ class ServerMetrics:
         self._decode_steps = meter.create_counter(
             DECODE_STEPS, unit="{step}", description="Batched decode steps the engine ran."
         )
+        self._draft_tokens = meter.create_counter(
+            DRAFT_TOKENS, unit="{token}", description="Speculative draft tokens verified in decode steps."
+        )
+        self._accepted_draft_tokens = meter.create_counter(
+            ACCEPTED_DRAFT_TOKENS,
+            unit="{token}",
+            description="Of the speculative draft tokens verified, those accepted as generated tokens.",
+        )
         self._preemptions = meter.create_counter(
             PREEMPTIONS,
             unit="{request}",
@@ -248,6 +258,10 @@ class ServerMetrics:
 
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         return None
+
+    def drafts_verified(self, *, model: str, drafted: int, accepted: int) -> None:
+        self._draft_tokens.add(drafted, {MODEL: model})
+        self._accepted_draft_tokens.add(accepted, {MODEL: model})
 
     def preempted(self, *, model: str, caller: str) -> None:
         self._preemptions.add(1, {MODEL: model, CALLER: caller})

@@ -171,6 +171,8 @@ class RequestRecord:
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
             cached_prompt_tokens=result.cached_prompt_tokens,
+            draft_tokens=result.draft_tokens,
+            accepted_draft_tokens=result.accepted_draft_tokens,
         )
 
     def _failed(self, event: Failed) -> RequestSummary:
@@ -194,6 +196,8 @@ class RequestRecord:
         prompt_tokens: int = 0,
         completion_tokens: int = 0,
         cached_prompt_tokens: int = 0,
+        draft_tokens: int = 0,
+        accepted_draft_tokens: int = 0,
     ) -> RequestSummary:
         """The record of this request's ending; the id and model are this record's unless given."""
         return RequestSummary(
@@ -211,6 +215,8 @@ class RequestRecord:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             cached_prompt_tokens=cached_prompt_tokens,
+            draft_tokens=draft_tokens,
+            accepted_draft_tokens=accepted_draft_tokens,
         )
 
     def _emit(self, summary: RequestSummary) -> None:

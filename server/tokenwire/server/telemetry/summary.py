@@ -51,6 +51,10 @@ class RequestSummary:
     completion_tokens: int = 0
     cached_prompt_tokens: int = 0
     """Prompt tokens taken from the prefix cache."""
+    draft_tokens: int = 0
+    """Speculative draft tokens verified for the request."""
+    accepted_draft_tokens: int = 0
+    """Of `draft_tokens`, those accepted."""
     error_code: str | None = None
     """The status code's name (e.g. DEADLINE_EXCEEDED) when the request failed."""
     error_reason: str | None = None

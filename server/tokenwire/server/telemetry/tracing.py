@@ -81,6 +81,12 @@ class RequestTracer:
                 decoded: dict[str, AttributeValue] = {
                     "tokenwire.decode.tokens": max(0, summary.completion_tokens - 1)
                 }
+                if summary.draft_tokens:
+                    decoded["tokenwire.decode.draft_tokens"] = summary.draft_tokens
+                    decoded["tokenwire.decode.accepted_draft_tokens"] = summary.accepted_draft_tokens
+                    decoded["tokenwire.decode.draft_acceptance"] = (
+                        summary.accepted_draft_tokens / summary.draft_tokens
+                    )
                 children.append(("decode", stages.first_token, stages.total, decoded))
         for name, start, end, attributes in children:
             child = self._tracer.start_span(name, context=inside, attributes=attributes, start_time=at(start))
