@@ -25,7 +25,10 @@ STEPS = 32
 # Measured: at most 0.155 (Q2_K), mostly under 0.05 (BENCHMARKS.md, model conversion).
 NEAR_TIE = 0.2
 
-pytestmark = pytest.mark.llamacpp
+# A family's fixture builds its models, converts and quantizes ten files and runs llama.cpp on
+# each: minutes on this machine, bounded by its own subprocess timeouts rather than the suite's
+# per-test 300 s.
+pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(3600)]
 
 
 @pytest.fixture(scope="session")
