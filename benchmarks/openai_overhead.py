@@ -6,9 +6,9 @@ both early, identically, since greedy output does not depend on the API). Each r
 in an order that rotates, a single stream over each API (time to first token as the client sees
 it) and 8 concurrent streams over each API (generated tokens per second of wall time). gRPC is
 tokenwire's own AsyncClient streaming; HTTP is OpenAI's Python SDK streaming server-sent events
-with include_usage, and the same request through a plain httpx client that reads the event lines
-and parses each with json.loads (the wire's own cost, without the SDK's per-chunk validation).
-Figures are medians over the repetitions.
+with include_usage, and the same request through a plain httpx2 client (the HTTP client the SDK
+itself uses) that reads the event lines and parses each with json.loads (the wire's own cost,
+without the SDK's per-chunk validation). Figures are medians over the repetitions.
 
     python benchmarks/openai_overhead.py [--repetitions 5]
 """
@@ -72,7 +72,7 @@ async def http_stream(client: object, ids: Sequence[int]) -> tuple[float, int]:
 
 async def raw_http_stream(client: object, ids: Sequence[int]) -> tuple[float, int]:
     """(seconds to the first text, tokens) of one greedy stream read as plain server-sent events."""
-    import httpx
+    import httpx2 as httpx
 
     assert isinstance(client, httpx.AsyncClient)
     body = {
@@ -110,7 +110,7 @@ async def concurrent(run: Run, client: object, prompts: Sequence[Sequence[int]])
 
 
 async def measure(grpc_target: str, http_url: str, repetitions: int) -> dict[str, dict[str, list[float]]]:
-    import httpx
+    import httpx2 as httpx
     import openai
 
     from tokenwire.client import AsyncClient
@@ -176,7 +176,7 @@ def main() -> None:
             *(f"{throughput[api] / throughput['grpc']:.3f}x" for api in ("http", "http_raw")),
         ],
     ]
-    header = ["", "gRPC", "HTTP (OpenAI SDK)", "HTTP (httpx)", "SDK / gRPC", "httpx / gRPC"]
+    header = ["", "gRPC", "HTTP (OpenAI SDK)", "HTTP (httpx2)", "SDK / gRPC", "httpx2 / gRPC"]
     print(benchkit.markdown_table(header, rows))
     path = benchkit.save_results(
         "openai_overhead",
