@@ -1,6 +1,7 @@
 """What the OpenAI-compatible HTTP API costs against gRPC, side by side on one server.
 
-One `tokenwire serve --http-port 0` (the default model, 2 intra-op threads); the same ~100-token
+One `tokenwire serve --http-port 0 --prefix-cache-mb 0` (the default model, 2 intra-op threads, no
+prefix cache: this measures the APIs, not caching); the same ~100-token
 prompt as token ids, greedy, the same number of new tokens (the model's own end of text may stop
 both early, identically, since greedy output does not depend on the API). Each repetition runs,
 in an order that rotates, a single stream over each API (time to first token as the client sees
@@ -138,11 +139,11 @@ async def measure(grpc_target: str, http_url: str, repetitions: int) -> dict[str
             run, client = apis[api]
             # A prompt never seen before for the TTFT: the prefix cache must not answer it.
             fresh = benchkit.prompt_ids(
-                directory, PROMPT_TOKENS, offset=100 + 2 * repetition + order.index(api)
+                directory, PROMPT_TOKENS, offset=100 + len(order) * repetition + order.index(api)
             )
             ttft, _ = await run(client, fresh)
             figures[api]["ttft"].append(ttft)
-            offset = 200 + 20 * repetition + 10 * order.index(api)
+            offset = 200 + 10 * (len(order) * repetition + order.index(api))
             prompts = [
                 benchkit.prompt_ids(directory, PROMPT_TOKENS, offset=offset + i) for i in range(STREAMS)
             ]
@@ -157,7 +158,12 @@ def main() -> None:
     repetitions = benchkit.command_line(__doc__, repetitions=5).repetitions
     directory = benchkit.model_dir()
     with benchkit.ServerProcess(
-        directory, model_name="default", max_batch_size=STREAMS, extra=("--http-port", "0")
+        directory,
+        model_name="default",
+        max_batch_size=STREAMS,
+        # The passage repeats within the benchmark's prompts: with the prefix cache on, some
+        # "fresh" prompts would be answered from it, on one API and not the other.
+        extra=("--http-port", "0", "--prefix-cache-mb", "0"),
     ) as server:
         found = next(filter(None, (re.search(r"API on (https?://\S+)", line) for line in server.log)))
         assert found is not None
