@@ -75,6 +75,61 @@ def test_preempted_work_resumes_with_every_token_once_and_one_start() -> None:
     assert (loaded_seq, length) == (seq, stop - start)
 
 
+def long_prompts_mid_prefill(h: Harness, *flood: str) -> None:
+    """f0 decodes (so prompt work is paced: one chunk a round) while `flood`'s long prompts,
+    admitted together, share that chunk: the first gets it, the others none yet."""
+    h.submit("f0", FLOOD, tokens=60)
+    h.rounds(1)  # nothing decoded yet: f0's whole prompt in one round
+    for rid in flood:
+        h.submit(rid, FLOOD, tokens=10)
+    h.rounds(3)
+
+
+def test_a_long_prompt_mid_prefill_gives_its_slot_to_a_caller_under_its_share() -> None:
+    h = Harness(slots=2, queue=16, copies_rows=True, prompt_tokens=64, chunk=8)
+    long_prompts_mid_prefill(h, "f1")
+    assert isinstance(h.runner, RowCopyingRunner)
+    assert h.runner.lengths[h.keys["f1"]] == 24, "three chunks of its prompt in, five to go"
+
+    h.submit("q0", QUIET, tokens=3)
+    h.rounds(1)
+
+    # The slot went to the quiet caller at once, taken from the prompt with the fewest rows
+    # (f0 has all 64 of its prompt's and more), whose 24 rows were set aside.
+    assert h.started[-1] == "q0" and stats(h).preemptions == 1
+    assert running(h) == {"f0", "q0"}
+    assert h.runner.reads == [(h.keys["f1"], 0, 24)]
+    h.rounds(200)
+    for rid, tokens in (("f0", 60), ("f1", 10), ("q0", 3)):
+        final = h.events[rid][-1]
+        assert isinstance(final, Completed), rid
+        assert len(final.result.token_ids) == tokens and h.tokens_of(rid) == tokens, rid
+        assert sum(isinstance(e, Started) for e in h.events[rid]) == 1, rid
+    # It came back with its 24 rows and prefilled on from there (the runner refuses a prefill
+    # that does not continue where the rows end).
+    assert (h.keys["f1"], 24) in h.runner.loads and stats(h).resumptions == 1
+    assert stats(h).prefill_tokens == 3 * 64, "no prompt token was prefilled twice"
+
+
+def test_a_prompt_preempted_before_its_first_chunk_starts_afresh_when_it_resumes() -> None:
+    h = Harness(slots=3, queue=16, copies_rows=True, prompt_tokens=64, chunk=8)
+    long_prompts_mid_prefill(h, "f1", "f2")
+    assert isinstance(h.runner, RowCopyingRunner)
+    assert h.keys["f2"] not in h.runner.lengths, "the round's one chunk went to f1"
+
+    h.submit("q0", QUIET, tokens=3)
+    h.rounds(1)
+
+    assert h.started[-1] == "q0" and running(h) == {"f0", "f1", "q0"}
+    assert h.runner.reads == [], "nothing of f2 to set aside"
+    h.rounds(300)
+    final = h.events["f2"][-1]
+    assert isinstance(final, Completed) and len(final.result.token_ids) == 10
+    assert sum(isinstance(e, Started) for e in h.events["f2"]) == 1
+    assert h.runner.loads == [] and stats(h).resumptions == 1
+    assert stats(h).prefill_tokens == 4 * 64
+
+
 def test_callers_at_their_shares_never_take_slots_from_each_other() -> None:
     h = Harness(slots=4, queue=32, copies_rows=True)
     for i in range(2):

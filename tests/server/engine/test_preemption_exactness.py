@@ -52,3 +52,39 @@ def test_a_generation_swapped_out_and_back_in_generates_what_it_would_have_alone
     for name, got in results.items():
         assert_same_output(got, expected[name], busy.layout)
         assert busy.streamed(flood[name]) == list(got.token_ids), "every token streamed once"
+
+
+def test_a_prompt_swapped_out_mid_prefill_and_back_in_generates_what_it_would_have_alone(
+    model_dir: Path,
+) -> None:
+    # Prompt work is paced at one 16-token chunk a round while anything decodes, so the long
+    # prompt is mid-way when the quiet caller's request arrives; the decoding one holds more rows
+    # and stays.
+    config = EngineConfig(
+        max_batch_size=2, prefix_cache_mb=0, batch_reserved_slots=0, prefill_chunk_size=16, stall_free=False
+    )
+    decoding = [(i * 31) % 400 + 40 for i in range(80)]
+    long = [(i * 13 + 5) % 400 + 40 for i in range(120)]
+    alone = RealEngine(model_dir, config)
+    expected = alone.result(alone.submit(long, tokens=12, caller=FLOOD))
+
+    busy = RealEngine(model_dir, config)
+    first = busy.submit(decoding, tokens=30, caller=FLOOD)
+    busy.engine.run_round()
+    victim = busy.submit(long, tokens=12, caller=FLOOD)
+    for _ in range(3):
+        busy.engine.run_round()
+    quiet = busy.submit(PROMPTS["a"], tokens=4, caller=QUIET)
+    busy.engine.run_round()
+    assert busy.engine.stats.preemptions == 1
+    assert busy.streamed(victim) == [], "preempted before its first token"
+    decoded_before = len(busy.streamed(first))
+    busy.result(quiet)
+    assert len(busy.streamed(first)) > decoded_before, "the decoding one kept its slot"
+    busy.result(first)
+    got = busy.result(victim)
+    assert busy.engine.stats.resumptions == 1
+
+    assert_same_output(got, expected, busy.layout)
+    assert busy.streamed(victim) == list(got.token_ids)
+    assert busy.engine.stats.prefill_tokens == len(decoding) + len(long) + len(PROMPTS["a"])

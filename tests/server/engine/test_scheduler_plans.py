@@ -418,6 +418,50 @@ def test_a_failed_swap_leaves_the_victim_decoding_and_its_beneficiary_waiting() 
     assert s.queue_depth == 1 and [x.key for x in s.running()] == [r.by_name["batch"].key]
 
 
+def a_prompt_mid_prefill_and_a_quiet_caller(s: Scheduler, r: Requests) -> RoundPlan:
+    """flood's f0 decodes (its 100-token prompt in) and f1, as long, has 40 of its tokens in;
+    quiet's q arrives."""
+    decoding(s, r, "f0", prompt=100, caller=Caller("flood"))
+    r.add("f1", prompt=100, caller=Caller("flood"))
+    s.schedule(NOW)
+    s.update(RoundOutcome(prompt_positions={r.by_name["f1"].key: 40}))
+    r.add("q", caller=Caller("quiet"))
+    return s.schedule(NOW + 1)
+
+
+def test_a_prompt_mid_prefill_is_preempted_and_resumes_its_prefill_where_it_stopped() -> None:
+    s, r = scheduler(slots=2, reserved=0)
+    plan = a_prompt_mid_prefill_and_a_quiet_caller(s, r)
+    f1 = r.by_name["f1"]
+
+    assert plan.preemption is not None
+    assert r.names((plan.preemption.victim, plan.preemption.beneficiary)) == ["f1", "q"]
+    assert plan.preemption.positions == 40 and plan.preemption.prefilling
+    assert f1.status is RequestStatus.SWAPPED_OUT and f1.queued_tokens == 60
+    assert r.names(plan.prompts.order) == ["q"]
+
+    s.update(RoundOutcome(finished=[Finished(r.by_name["q"].key, 1.0)]))
+    resumed = s.schedule(NOW + 2)
+
+    assert r.names(resumed.admitted) == ["f1"]
+    assert f1.status is RequestStatus.PREFILLING and f1.started_at == NOW, "it keeps its first start"
+    assert r.names(resumed.prompts.order) == ["f1"] and f1.prompt_remaining == 60
+    assert r.names(resumed.decode) == ["f0"]
+
+
+def test_a_failed_swap_of_a_prompt_mid_prefill_leaves_it_prefilling_and_nothing_to_decode() -> None:
+    s, r = scheduler(slots=2, reserved=0)
+    a_prompt_mid_prefill_and_a_quiet_caller(s, r)
+
+    s.update(RoundOutcome(preemption_failed=True))
+
+    f1 = r.by_name["f1"]
+    assert f1.status is RequestStatus.PREFILLING and f1.computed_tokens == 40
+    assert r.by_name["q"].status is RequestStatus.WAITING and r.by_name["q"].started_at is None
+    plan = s.schedule(NOW + 2, admit=False)
+    assert r.names(plan.prompts.order) == ["f1"] and r.names(plan.decode) == ["f0"]
+
+
 # -- endings -----------------------------------------------------------------------------------
 
 

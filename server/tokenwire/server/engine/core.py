@@ -109,8 +109,9 @@ class EngineCore:
         # part of these requests' time to first token.
         self._flush()
         rows = [plan.requests[key] for key in plan.decode if key in self._outputs and key not in skipped]
-        if outcome.preemption_failed and plan.preemption is not None:
-            rows.append(plan.requests[plan.preemption.victim])  # it keeps its slot and decodes on
+        preemption = plan.preemption
+        if outcome.preemption_failed and preemption is not None and not preemption.prefilling:
+            rows.append(plan.requests[preemption.victim])  # it keeps its slot and decodes on
         self._decode([*rows, *continuing])
         return outcome
 

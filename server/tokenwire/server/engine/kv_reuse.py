@@ -69,7 +69,8 @@ class KvReuse:
             )
         self._swapping = swapping and rows is not None
         self._caching: dict[int, _PromptCaching] = {}
-        self._swapped: dict[int, np.ndarray] = {}
+        self._swapped: dict[int, np.ndarray | None] = {}
+        """Set-aside rows by request key; None for a prompt preempted before its first chunk."""
 
     @property
     def can_swap(self) -> bool:
@@ -139,8 +140,11 @@ class KvReuse:
     # -- preemption ------------------------------------------------------------------------------
 
     def swap_out(self, key: int, positions: int) -> bool:
-        """Copy a generation's first `positions` KV rows aside; False (it keeps its slot) on failure."""
+        """Copy a request's first `positions` KV rows aside; False (it keeps its slot) on failure."""
         assert self._rows is not None, "swapping needs a runner that copies KV rows"
+        if positions == 0:  # a prompt not yet begun: nothing to keep
+            self._swapped[key] = None
+            return True
         try:
             self._swapped[key] = self._rows.read_kv(key, 0, positions)
         except Exception:
@@ -149,9 +153,12 @@ class KvReuse:
         return True
 
     def swap_in(self, key: int) -> None:
-        """Copy a swapped-out generation's rows back into its (new) slot. Raises on failure."""
+        """Copy a swapped-out request's rows back into its (new) slot. Raises on failure. A prompt
+        set aside before its first chunk has none: its prefill starts the sequence afresh."""
         assert self._rows is not None, "swapping needs a runner that copies KV rows"
-        self._rows.start_from_kv(key, [self._swapped.pop(key)])
+        rows = self._swapped.pop(key)
+        if rows is not None:
+            self._rows.start_from_kv(key, [rows])
 
     # -- ending ----------------------------------------------------------------------------------
 

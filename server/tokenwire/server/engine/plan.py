@@ -43,8 +43,10 @@ class Preemption:
 
     victim: int
     positions: int
-    """The victim's KV positions to copy aside."""
+    """The victim's KV positions to copy aside (none for a prompt that has not begun)."""
     beneficiary: int
+    prefilling: bool = False
+    """The victim was mid-prompt: if it keeps its slot, it has no token to decode this round."""
 
 
 @dataclass(frozen=True)

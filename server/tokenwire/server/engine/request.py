@@ -1,10 +1,11 @@
 """A live request as the scheduler sees it: one object from submit to finish, with an explicit status.
 
 A request is in exactly one status at a time and moves only forward through them, except that
-preemption takes a decoding request back to the queue (SWAPPED_OUT) and resumption returns it:
+preemption takes a request in a slot back to the queue (SWAPPED_OUT) and resumption returns it
+to where it was (its prompt's remaining chunks, or its next token):
 
     WAITING_FOR_FORMAT -> WAITING -> PREFILLING -> DECODING -> FINISHED
-                                                   DECODING <-> SWAPPED_OUT
+                                     PREFILLING <-> SWAPPED_OUT <-> DECODING
 
 One progress counter, `computed_tokens`, says how many of its positions are in the KV cache
 (prompt tokens prefilled or copied from the prefix cache, then one more per decode step), and
@@ -40,7 +41,7 @@ class RequestStatus(Enum):
     DECODING = "decoding"
     """In a slot, producing a token each step."""
     SWAPPED_OUT = "swapped out"
-    """Preempted: its KV rows copied aside, queued to get a slot back and decode on."""
+    """Preempted: its KV rows copied aside, queued to get a slot back and go on where it was."""
     FINISHED = "finished"
 
 
@@ -102,8 +103,16 @@ class Request:
 
     @property
     def swappable(self) -> bool:
-        """Decoding with a token produced, so its KV rows and state can be set aside and resumed."""
+        """In a slot, so its KV rows and state can be set aside and resumed: decoding with a token
+        produced, or prefilling (a long prompt mid-way holds its slot as surely as a generation)."""
+        if self.status is RequestStatus.PREFILLING:
+            return True
         return self.status is RequestStatus.DECODING and self.generated_tokens > 0
+
+    @property
+    def resumes_prompt(self) -> bool:
+        """Swapped out (or about to be) with prompt tokens still to prefill: it resumes prefilling."""
+        return self.prompt_remaining > 0
 
     def past_deadline(self, now: float) -> bool:
         return self.spec.deadline is not None and now >= self.spec.deadline

@@ -15,7 +15,9 @@ What it decides:
   generate), not turns. BATCH requests leave `batch_reserved_slots` to the others.
 - **Preemption**: when every slot is busy, a waiting request owed one takes one at the next step:
   BATCH work gives way to more urgent work, and within a priority the caller furthest over its
-  share of the slots gives way to one under its share. At most one a round.
+  share of the slots gives way to one under its share. The victim may be decoding or still
+  prefilling its prompt (a flood of long prompts holds slots for seconds before a first token);
+  it resumes where it was. At most one a round.
 - **Prompt work**: stall-free pacing (pacing.py) sizes the round's prompt budget; it goes to the
   most urgent priority first, then to the caller holding the least work in slots for its weight.
 - **Endings**: aborts and passed deadlines end requests at the round's start.
@@ -298,10 +300,8 @@ class Scheduler:
         chosen: list[Request] = []
         preemption = self._preempt_for_next(allowed) if free == 0 else None
         if preemption is not None:
-            victim, beneficiary = (
-                self._decoding.pop(preemption.victim),
-                self._requests[preemption.beneficiary],
-            )
+            victim, beneficiary = self._requests[preemption.victim], self._requests[preemption.beneficiary]
+            self._leave_slot(victim)
             self._planned_preemption = (preemption, beneficiary.status)
             # The slot goes to the request it was freed for, which takes its caller's turn.
             self._waiting.take(beneficiary)
@@ -324,8 +324,7 @@ class Scheduler:
                 failed.append(Ending(request.key, failure))
                 continue
             if request.status is RequestStatus.SWAPPED_OUT:
-                request.status = RequestStatus.DECODING
-                self._decoding[request.key] = request
+                self._resume(request)
             else:
                 request.status = RequestStatus.PREFILLING
                 request.started_at = now
@@ -339,7 +338,7 @@ class Scheduler:
         At most as many swapped out at once as there are slots, which bounds the rows set aside
         to the KV cache's own size.
         """
-        if not self._config.preemption or not self._decoding:
+        if not self._config.preemption or not any(r.swappable for r in self.running()):
             return None
         waiting = self._waiting
         if sum(r.status is RequestStatus.SWAPPED_OUT for r in waiting) >= self._slots:
@@ -370,15 +369,20 @@ class Scheduler:
             victim.caller.name,
             candidate.caller.name,
         )
-        return Preemption(victim=victim.key, positions=victim.computed_tokens, beneficiary=candidate.key)
+        return Preemption(
+            victim=victim.key,
+            positions=victim.computed_tokens,
+            beneficiary=candidate.key,
+            prefilling=victim.status is RequestStatus.PREFILLING,
+        )
 
     def _victim_for(self, candidate: Request, queueing: dict[str, float]) -> Request | None:
-        """The running generation that owes `candidate` its slot, if one does: the cheapest to swap
+        """The request in a slot that owes `candidate` its slot, if one does: the cheapest to swap
         (fewest cached positions) of the BATCH work when `candidate` is more urgent, else of the
         caller furthest over its share at `candidate`'s priority, while `candidate`'s caller,
         given the slot, would still hold no more than its own share (so two callers never take a
-        slot back and forth)."""
-        swappable = [r for r in self._decoding.values() if r.swappable]
+        slot back and forth). Prompts mid-prefill count: they hold their slots like generations."""
+        swappable = [r for r in self.running() if r.swappable]
         if candidate.priority is not Priority.BATCH:
             batch = [r for r in swappable if r.priority is Priority.BATCH]
             if batch:
@@ -467,6 +471,23 @@ class Scheduler:
         if outcome.decode_seconds is not None:
             self._pacer.observe_decode(outcome.decode_seconds)
 
+    def _leave_slot(self, victim: Request) -> None:
+        """A preempted request leaves its slot, prompt mid-way or decoding."""
+        if victim.status is RequestStatus.PREFILLING:
+            self._prefilling.remove(victim)
+        else:
+            del self._decoding[victim.key]
+
+    def _resume(self, request: Request) -> None:
+        """A swapped-out request back in a slot, where it was: its prompt's remaining chunks
+        (it keeps the start time of its first admission), or its next token."""
+        if request.resumes_prompt:
+            request.status = RequestStatus.PREFILLING
+            self._prefilling.append(request)
+        else:
+            request.status = RequestStatus.DECODING
+            self._decoding[request.key] = request
+
     def _undo_preemption(self) -> None:
         # The victim keeps its slot; the request it was swapped out for waits at the head of its
         # caller's line again (its caller's turn stays used: the next turn is another caller's).
@@ -474,14 +495,14 @@ class Scheduler:
         preemption, beneficiary_was = self._planned_preemption
         victim = self._requests[preemption.victim]
         self._waiting.remove(victim)
-        victim.status = RequestStatus.DECODING
-        self._decoding[victim.key] = victim
+        self._resume(victim)
         beneficiary = self._requests.get(preemption.beneficiary)
         if beneficiary is None or beneficiary.status is RequestStatus.FINISHED:
             return
         if beneficiary.status is RequestStatus.PREFILLING:
             self._prefilling.remove(beneficiary)
-            beneficiary.started_at = None
+            if beneficiary_was is not RequestStatus.SWAPPED_OUT:
+                beneficiary.started_at = None  # it never began after all
         else:
             self._decoding.pop(beneficiary.key, None)
         beneficiary.status = beneficiary_was
