@@ -132,6 +132,19 @@ class GenerationRequest:
     """What the output must match; None for free text."""
     caller: Caller = ANONYMOUS
     priority: Priority = Priority.DEFAULT
+    n: int = 1
+    """Completions to generate from the prompt (prefilled once); with a seed, completion i
+    samples with seed + i (modulo 2**64)."""
+
+
+MAX_COMPLETIONS = 16
+"""Most completions one request may ask for (`n`)."""
+
+
+def completion_seed(seed: int | None, index: int) -> int | None:
+    """The seed completion `index` of a request samples with: the request's seed plus the index,
+    modulo 2**64 (completion 0 keeps the request's seed; no seed stays none)."""
+    return None if seed is None else (seed + index) % 2**64
 
 
 @dataclass(frozen=True)
@@ -162,6 +175,17 @@ class TimingReport:
 
 
 @dataclass(frozen=True)
+class CompletionChoice:
+    """One of the completions of a request that asked for n > 1."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    logprobs: tuple[TokenLogprobs, ...] = ()
+
+
+@dataclass(frozen=True)
 class GenerationResult:
     request_id: str
     model: str
@@ -177,9 +201,16 @@ class GenerationResult:
     """Speculative draft tokens verified for this request (0 when it did not speculate)."""
     accepted_draft_tokens: int = 0
     """Of `draft_tokens`, those accepted: generated tokens that cost no model call of their own."""
+    choices: tuple[CompletionChoice, ...] = ()
+    """One per completion, in index order, when the request asked for n > 1. The top-level
+    text, token_ids and logprobs are then empty; finish_reason is CANCELLED when the request was
+    cancelled, otherwise that of the completion that ended last; the counts cover every
+    completion (the prompt once)."""
 
     @property
     def completion_tokens(self) -> int:
+        if self.choices:
+            return sum(len(choice.token_ids) for choice in self.choices)
         return len(self.token_ids)
 
 
@@ -194,6 +225,8 @@ class TokensGenerated:
     token_ids: tuple[int, ...]
     text: str
     logprobs: tuple[TokenLogprobs, ...] = ()
+    index: int = 0
+    """Which of the request's completions produced them (0 unless it asked for n > 1)."""
 
 
 @dataclass(frozen=True)
