@@ -39,6 +39,7 @@ from tokenwire.server.engine.speculation import SpeculationSettings, startup_not
 from tokenwire.server.engine.stats import EngineStats
 from tokenwire.server.engine.types import (
     AbortReason,
+    Caller,
     EngineEvent,
     EventSink,
     GenerationRequest,
@@ -205,6 +206,17 @@ class Engine:
         if compiled is not None and not compiled.done():
             compiled.add_done_callback(self._format_ready)
         return RequestTicket(key=key, queue_position=position)
+
+    def check_room(self, caller: Caller) -> None:
+        """Refuse now, before the request is validated, when the queue would refuse even the
+        smallest request of `caller` (one completion of a one-token prompt): the refusal a full
+        queue gives a caller over its share does not depend on the prompt, so a flood's refused
+        requests cost no tokenizing. Raises the refusal `submit` would."""
+        with self._lock:
+            refusal = self._scheduler.refusal(caller, live=len(self._inbox.live), prompt_tokens=1)
+            if refusal is not None:
+                self._inbox.rejected += 1
+                raise refusal
 
     def _prepare_format(self, request: GenerationRequest) -> Future[CompiledFormat] | None:
         if request.response_format is None:
