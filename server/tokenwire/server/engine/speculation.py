@@ -33,8 +33,9 @@ When not to draft:
   decode steps that could speculate; its first verification after that is judged alone, and if
   it fails too the pause doubles (up to `MAX_PAUSE_STEPS`), while one that passes ends the streak.
   At batch 1 a K = 4 verification costs about 2 decode steps on this CPU, so a step must keep
-  one draft in four to pay; free chat, whose drafts rarely match, then costs a verification
-  every few hundred steps instead of every few.
+  one draft in four just to break even; the bar is half, so a request keeps drafting only while
+  it wins by a margin, and free chat, whose drafts match a token now and then, costs a
+  verification every few hundred steps instead of every few.
 
 Drafts come from a match of at least 2 trailing tokens (`MIN_NGRAM`): a single repeated token is
 weak evidence of what follows (a common word, a bracket), and such drafts are mostly rejected.
@@ -58,8 +59,9 @@ from tokenwire.server.models.runner import KvRowAccess, ModelRunner, MultiTokenD
 
 ADAPTIVE_WINDOW = 4
 """Verification steps of a request that the adaptive rule looks back over."""
-MIN_ACCEPTANCE = 0.25
-"""Below this share of drafted tokens accepted over the window, a request pauses drafting."""
+MIN_ACCEPTANCE = 0.5
+"""Below this share of drafted tokens accepted over the window, a request pauses drafting (a
+quarter is where a verification only breaks even here)."""
 PAUSE_STEPS = 16
 """Decode steps a request goes without drafting after its drafts kept failing."""
 MAX_PAUSE_STEPS = 512
