@@ -72,6 +72,7 @@ class Harness:
         priority: Priority = Priority.DEFAULT,
         tokens: int = 50,
         deadline: float | None = None,
+        n: int = 1,
     ) -> None:
         request = GenerationRequest(
             request_id=request_id,
@@ -83,6 +84,7 @@ class Harness:
             caller=caller,
             priority=priority,
             deadline=deadline,
+            n=n,
         )
         self.keys[request_id] = self.engine.submit(request, self._sink(request_id)).key
 

@@ -55,6 +55,7 @@ class RealEngine:
         caller: Caller = ANONYMOUS,
         stop: tuple[str, ...] = (),
         sampling: SamplingParams | None = None,
+        n: int = 1,
     ) -> str:
         request_id = f"r{next(self._ids)}"
         request = GenerationRequest(
@@ -67,6 +68,7 @@ class RealEngine:
             logprobs=True,
             top_logprobs=3,
             caller=caller,
+            n=n,
         )
         self.engine.submit(request, self.events[request_id].append)
         return request_id

@@ -187,6 +187,9 @@ class Admission:
             record.resolved(served.name)
             if not isinstance(message, DecodedRequest):
                 request_bounds.check_against_model(message, self._limits, served.model.info.context_length)
+            # A request the queue would refuse whatever its prompt is refused before its prompt
+            # is tokenized: a flood over its share must not spend the cores the others need.
+            served.engine.check_room(caller)
 
             def validate() -> GenerationRequest:
                 return served.validator.validate(

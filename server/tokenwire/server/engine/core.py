@@ -101,9 +101,10 @@ class EngineCore:
         for ending in plan.endings:
             self.finish(plan.requests[ending.key], ending.end, plan.now, abort=ending.abort)
         skipped = self._preempt(plan)
+        forked: list[Request] = []
         for key in plan.admitted:
-            if key not in skipped:
-                self._admit(plan.requests[key], plan.now)
+            if key not in skipped and self._admit(plan.requests[key], plan.now):
+                forked.append(plan.requests[key])
         continuing = self._run_prompts(plan, skipped)
         # First tokens go out now rather than after the decode step: that step's time is not
         # part of these requests' time to first token.
@@ -112,6 +113,8 @@ class EngineCore:
         preemption = plan.preemption
         if outcome.preemption_failed and preemption is not None and not preemption.prefilling:
             rows.append(plan.requests[preemption.victim])  # it keeps its slot and decodes on
+        # Completions that copied their prompt decode on like prompts done this round.
+        continuing.extend(r for r in forked if r.key in self._outputs)
         self._decode([*rows, *continuing])
         return outcome
 
@@ -129,7 +132,9 @@ class EngineCore:
         self._observer.preempted(model=self._model, caller=victim.caller.name)
         return set()
 
-    def _admit(self, request: Request, now: float) -> None:
+    def _admit(self, request: Request, now: float) -> bool:
+        """Into a slot: a swapped-out request's rows go back, a new one's output begins. True for
+        a completion that copied its fork's prompt and has its first token."""
         if request.key in self._outputs:  # swapped out: its rows go back into a slot
             try:
                 self._kv.swap_in(request.key)
@@ -137,9 +142,9 @@ class EngineCore:
                 log.exception("swapping in request %s failed", request.spec.request_id)
                 self._stats.step_failures += 1
                 self.finish(request, _model_error(error), now)
-                return
+                return False
             self._stats.resumptions += 1
-            return
+            return False
         constraint = None
         if request.response_format is not None:
             constraint = request.response_format.result().constraint()
@@ -153,6 +158,32 @@ class EngineCore:
             constraint=constraint,
         )
         self._emit(request.sink, Started(now - request.spec.received_at, request.prompt_length))
+        return request.copies_prompt and self._fork(request, now)
+
+    def _fork(self, request: Request, now: float) -> bool:
+        """Start a completion from the prompt its fork's source prefilled, and sample its first
+        token from the logits kept with it; False if it failed (and is finished)."""
+        began = self._clock()
+        try:
+            logits = self._kv.fork_prompt(request.key)
+        except Exception as error:
+            log.exception("copying the prompt of request %s failed", request.spec.request_id)
+            self._stats.step_failures += 1
+            self.finish(request, _model_error(error), now)
+            return False
+        self._stats.forked_prompt_tokens += request.prompt_length
+        self._outcome.prompt_positions[request.key] = request.prompt_length
+        self._outcome.first_tokens.append(request.key)
+        copied = self._clock()
+        self._outputs[request.key].prefill_seconds += copied - began
+        self._accept_tokens([request], logits[np.newaxis, :], copied)
+        return True
+
+    def _keep_prompt(self, request: Request, logits: np.ndarray) -> None:
+        """A fork's source has its whole prompt in: keep it for the completions that copy it."""
+        assert request.fork is not None
+        kept = self._kv.keep_prompt(request.key, request.prompt_length, logits, request.fork.live_followers())
+        self._outcome.prompts_kept[request.key] = kept
 
     def _run_prompts(self, plan: RoundPlan, skipped: set[int]) -> list[Request]:
         """Spend the round's prompt budget in the plan's order; the requests whose prompt is done
@@ -213,6 +244,8 @@ class EngineCore:
             # The prompt's own work: its model call and its cache copies, in and out.
             output.prefill_seconds += now - own_work_began
             if start >= len(prompt):
+                if request.keeps_prompt:
+                    self._keep_prompt(request, logits)  # before sampling, which may rewrite logits
                 self._outcome.first_tokens.append(key)
                 self._accept_tokens([request], logits[np.newaxis, :], now)
                 # Its first token leaves now, not after the round's other prompts.
@@ -332,6 +365,8 @@ class EngineCore:
         """
         output = self._outputs.pop(request.key, None)
         self._speculator.forget(request.key)
+        if request.fork is not None:
+            request.fork.ended.add(request.key)
         if abort is not None:
             self._count_abort(abort, started=output is not None)
         prompt_tokens = request.prompt_length

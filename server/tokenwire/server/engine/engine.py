@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import itertools
 import logging
 import threading
@@ -25,6 +26,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 
+from tokenwire.server.engine.completions import CompletionGroup
 from tokenwire.server.engine.config import EngineConfig
 from tokenwire.server.engine.core import EngineCore
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
@@ -33,16 +35,18 @@ from tokenwire.server.engine.kv_reuse import KvReuse
 from tokenwire.server.engine.observer import EngineObserver, NullObserver
 from tokenwire.server.engine.plan import Abort
 from tokenwire.server.engine.prefix_cache import PrefixCacheStats
-from tokenwire.server.engine.request import Request
+from tokenwire.server.engine.request import PromptFork, Request
 from tokenwire.server.engine.scheduler import Scheduler, SchedulerConfig
 from tokenwire.server.engine.speculation import SpeculationSettings, startup_note
 from tokenwire.server.engine.stats import EngineStats
 from tokenwire.server.engine.types import (
     AbortReason,
+    Caller,
     EngineEvent,
     EventSink,
     GenerationRequest,
     RequestTicket,
+    completion_seed,
 )
 from tokenwire.server.models.runner import ModelRunner
 from tokenwire.server.sampling.constraint import CompiledFormat, MaskWorkspace
@@ -64,6 +68,11 @@ class _Inbox:
     aborts: list[Abort] = field(default_factory=list)
     live: set[int] = field(default_factory=set)
     """Keys of the requests submitted and not yet finished."""
+    completions: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    """For a request that asked for n > 1, by its key: the keys of its completions (its own
+    first), until all have finished: aborting the request aborts them all."""
+    completion_of: dict[int, int] = field(default_factory=dict)
+    """The request key of each live completion in `completions`."""
     decode_steps: int = 0
     """The engine's count of completed decode steps, published for the aborts to carry."""
     rejected: int = 0
@@ -188,23 +197,71 @@ class Engine:
                     "the model's engine has stopped; retry elsewhere",
                     reason="SHUTDOWN",
                 )
+            # n completions count as n requests against the queue (and their caller's share).
             refusal = self._scheduler.refusal(
-                request.caller, live=len(self._inbox.live), prompt_tokens=len(request.prompt_ids)
+                request.caller,
+                live=len(self._inbox.live) + request.n - 1,
+                prompt_tokens=len(request.prompt_ids),
             )
             if refusal is not None:
                 self._inbox.rejected += 1
                 raise refusal
             compiled = self._prepare_format(request)
-            key = next(self._keys)
             position = self._scheduler.queue_depth
-            self._scheduler.add(Request(key, request, sink, compiled))
-            self._inbox.live.add(key)
+            requests = self._requests_for(request, sink, compiled)
+            key = requests[0].key
+            for each in requests:
+                self._scheduler.add(each)
+                self._inbox.live.add(each.key)
+            if len(requests) > 1:
+                self._inbox.completions[key] = tuple(r.key for r in requests)
+                self._inbox.completion_of.update((r.key, key) for r in requests)
             if self._idle is not None:
                 self._idle.clear()
             self._wakeup.notify()
         if compiled is not None and not compiled.done():
             compiled.add_done_callback(self._format_ready)
         return RequestTicket(key=key, queue_position=position)
+
+    def check_room(self, caller: Caller) -> None:
+        """Refuse now, before the request is validated, when the queue would refuse even the
+        smallest request of `caller` (one completion of a one-token prompt): the refusal a full
+        queue gives a caller over its share does not depend on the prompt, so a flood's refused
+        requests cost no tokenizing. Raises the refusal `submit` would."""
+        with self._lock:
+            refusal = self._scheduler.refusal(caller, live=len(self._inbox.live), prompt_tokens=1)
+            if refusal is not None:
+                self._inbox.rejected += 1
+                raise refusal
+
+    def _requests_for(
+        self, request: GenerationRequest, sink: EventSink, compiled: Future[CompiledFormat] | None
+    ) -> list[Request]:
+        """The engine's requests for one submitted: itself, or one per completion (n > 1), the
+        first prefilling the prompt for the others where the runner can copy KV rows (elsewhere
+        each prefills it). Completion i samples with its own seed (types.completion_seed)."""
+        if request.n == 1:
+            return [Request(next(self._keys), request, sink, compiled)]
+        keys = [next(self._keys) for _ in range(request.n)]
+        group = CompletionGroup(request.n, sink, functools.partial(self._stop_completions, keys[0]))
+        fork = PromptFork(source=keys[0], followers=tuple(keys[1:])) if self._kv.can_fork else None
+        return [
+            Request(
+                key,
+                replace(
+                    request,
+                    sampling=replace(request.sampling, seed=completion_seed(request.sampling.seed, i)),
+                ),
+                group.sink_for(i),
+                compiled,
+                fork=fork,
+            )
+            for i, key in enumerate(keys)
+        ]
+
+    def _stop_completions(self, key: int) -> None:
+        """One of a request's completions failed (the request did): the others stop unheard."""
+        self.abort(key, AbortReason.DISCONNECTED)
 
     def _prepare_format(self, request: GenerationRequest) -> Future[CompiledFormat] | None:
         if request.response_format is None:
@@ -219,11 +276,14 @@ class Engine:
             self._wakeup.notify()
 
     def abort(self, key: int, reason: AbortReason) -> None:
-        """Stop a live request at the next step boundary (unknown or finished keys are ignored)."""
+        """Stop a live request at the next step boundary (unknown or finished keys are ignored);
+        every one of its completions, for a request that asked for n > 1."""
         with self._lock:
-            if key not in self._inbox.live:
+            keys = [k for k in self._inbox.completions.get(key, (key,)) if k in self._inbox.live]
+            if not keys:
                 return
-            self._inbox.aborts.append(Abort(key, reason, requested_at_step=self._inbox.decode_steps))
+            step = self._inbox.decode_steps
+            self._inbox.aborts.extend(Abort(k, reason, requested_at_step=step) for k in keys)
             self._inbox.abort_requests += 1
             self._wakeup.notify()
 
@@ -327,7 +387,11 @@ class Engine:
 
     def _forget(self, key: int) -> None:
         with self._lock:
-            self._inbox.live.discard(key)
+            inbox = self._inbox
+            inbox.live.discard(key)
+            group = inbox.completion_of.pop(key, None)
+            if group is not None and not any(k in inbox.live for k in inbox.completions[group]):
+                del inbox.completions[group]
 
     def _publish_step(self, steps: int) -> None:
         with self._lock:

@@ -2,8 +2,10 @@
 
 The one user of the runners' KV row access (`KvRowAccess`): it copies a prompt's blocks into the
 prefix cache as they are prefilled and copies a cached prefix into a new request's slot instead
-of prefilling it; and it copies a preempted generation's rows aside and back into a slot. A
-runner whose cache lives on a device cannot copy rows: both are then off, said once at start.
+of prefilling it; it copies a preempted generation's rows aside and back into a slot; and it
+keeps a prompt's rows and last logits for the other completions of a request that asked for
+n > 1, which copy them into their own slots. A runner whose cache lives on a device cannot copy
+rows: all of these are then off, said once at start (each completion prefills its prompt).
 
 Used from the engine thread only.
 """
@@ -23,6 +25,16 @@ from tokenwire.server.models.runner import KvRowAccess, ModelRunner
 log = logging.getLogger(__name__)
 
 _NO_ROW_COPIES = "its runner cannot copy KV rows (a KV cache on a device)"
+
+
+@dataclass
+class _KeptPrompt:
+    """A fork's prompt, kept until every follower has copied it or ended."""
+
+    rows: np.ndarray
+    logits: np.ndarray
+    """The model's logits after the prompt's last token: each follower samples its first token."""
+    waiting: set[int]
 
 
 @dataclass
@@ -71,10 +83,22 @@ class KvReuse:
         self._caching: dict[int, _PromptCaching] = {}
         self._swapped: dict[int, np.ndarray | None] = {}
         """Set-aside rows by request key; None for a prompt preempted before its first chunk."""
+        self._kept: dict[int, _KeptPrompt] = {}
+        """Forks' prompts by the key of the request that prefilled them."""
+        self._kept_for: dict[int, int] = {}
+        """Each waiting follower's fork source."""
+        self.max_kept_prompts = max(1, runner.capacity())
+        """Most forks' prompts kept at once (each holds a prompt's rows): beyond it, the followers
+        of a fork prefill the prompt themselves."""
 
     @property
     def can_swap(self) -> bool:
         return self._swapping
+
+    @property
+    def can_fork(self) -> bool:
+        """Whether a prompt's rows can be copied into other slots (n completions, one prefill)."""
+        return self._rows is not None
 
     @property
     def caches_prefixes(self) -> bool:
@@ -160,6 +184,47 @@ class KvReuse:
         if rows is not None:
             self._rows.start_from_kv(key, [rows])
 
+    # -- forks (n completions) -------------------------------------------------------------------
+
+    def keep_prompt(self, source: int, length: int, logits: np.ndarray, followers: Sequence[int]) -> bool:
+        """Keep the first `length` rows of `source`'s cache (its whole prompt, just prefilled) and
+        the logits after it, for `followers` to copy; False when they cannot be kept (the
+        followers then prefill the prompt themselves)."""
+        if self._rows is None or not followers or len(self._kept) >= self.max_kept_prompts:
+            return False
+        try:
+            rows = self._rows.read_kv(source, 0, length)
+        except Exception:
+            log.exception("keeping the prompt of request key %d for its other completions failed", source)
+            return False
+        self._kept[source] = _KeptPrompt(rows, logits.copy(), set(followers))
+        self._kept_for.update((follower, source) for follower in followers)
+        return True
+
+    def fork_prompt(self, key: int) -> np.ndarray:
+        """Start follower `key` from its fork's kept prompt; the logits its first token is sampled
+        from (its own copy: sampling may rewrite them). Raises on failure."""
+        assert self._rows is not None, "forks need a runner that copies KV rows"
+        source = self._kept_for[key]
+        kept = self._kept[source]
+        self._rows.start_from_kv(key, [kept.rows])
+        logits = kept.logits.copy()
+        self._done_waiting(key)
+        return logits
+
+    def _done_waiting(self, key: int) -> None:
+        source = self._kept_for.pop(key, None)
+        if source is None:
+            return
+        kept = self._kept[source]
+        kept.waiting.discard(key)
+        if not kept.waiting:
+            del self._kept[source]
+
+    @property
+    def kept_prompts(self) -> int:
+        return len(self._kept)
+
     # -- ending ----------------------------------------------------------------------------------
 
     def release(self, key: int) -> None:
@@ -168,3 +233,4 @@ class KvReuse:
         if caching is not None and self._cache is not None:
             self._cache.release(caching.lease)
         self._swapped.pop(key, None)
+        self._done_waiting(key)  # a follower that ended before it copied its prompt

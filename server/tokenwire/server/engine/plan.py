@@ -108,6 +108,9 @@ class RoundOutcome:
     how many more."""
     finished: list[Finished] = field(default_factory=list)
     """Every request that ended this round, whatever ended it."""
+    prompts_kept: dict[int, bool] = field(default_factory=dict)
+    """Fork sources whose prompt is done: whether its rows were kept for the followers (False:
+    they prefill it themselves)."""
     preemption_failed: bool = False
     """The plan's victim could not be swapped out: it keeps its slot and its beneficiary waits."""
     prompt_chunks: list[tuple[int, float]] = field(default_factory=list)

@@ -12,6 +12,10 @@ One progress counter, `computed_tokens`, says how many of its positions are in t
 `generated_tokens` how many tokens it has produced. The text, sampler and stop matching of its
 output live with the engine core (output.py), so the scheduler needs no tokenizer.
 
+A request that asked for n completions is n requests here, one a completion, sharing a
+`PromptFork`: the first prefills the prompt, and the others, once its rows are kept, copy them
+into their own slots instead of prefilling (they wait in the queue until then).
+
 `RequestTable` is the one index of live requests by key. The engine thread changes requests and
 the table; the event loop reads the table (queue admission) only under the engine's lock.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING
 
@@ -50,6 +54,24 @@ RUNNING = frozenset({RequestStatus.PREFILLING, RequestStatus.DECODING})
 
 
 @dataclass(eq=False)
+class PromptFork:
+    """The completions of one request: `source` prefills the prompt; the `followers` copy it."""
+
+    source: int
+    followers: tuple[int, ...]
+    ready: bool = False
+    """The source's prompt rows and last logits are kept: a follower may take a slot and copy them."""
+    abandoned: bool = False
+    """No copy will come (the rows could not be kept, or the source ended first): the followers
+    prefill the prompt themselves."""
+    ended: set[int] = field(default_factory=set)
+    """Members that have ended (the engine core adds each as it finishes it)."""
+
+    def live_followers(self) -> list[int]:
+        return [key for key in self.followers if key not in self.ended]
+
+
+@dataclass(eq=False)
 class Request:
     key: int
     spec: GenerationRequest
@@ -62,6 +84,8 @@ class Request:
     generated_tokens: int = 0
     started_at: float | None = None
     """When it first got a slot (its prefill began)."""
+    fork: PromptFork | None = None
+    """Set on each of the completions of a request that asked for n > 1."""
 
     def __post_init__(self) -> None:
         if self.response_format is not None and not self.response_format.done():
@@ -78,8 +102,27 @@ class Request:
 
     @property
     def ready(self) -> bool:
-        """May take a slot: not waiting for its format (a compile worker finishes it off-thread)."""
+        """May take a slot: not waiting for its format (a compile worker finishes it off-thread),
+        nor for the prompt it copies."""
+        if self.copies_prompt and not self.fork_ready:
+            return False
         return self.response_format is None or self.response_format.done()
+
+    @property
+    def copies_prompt(self) -> bool:
+        """A follower of a fork that will copy its prompt's rows rather than prefill them."""
+        fork = self.fork
+        return fork is not None and fork.source != self.key and not fork.abandoned
+
+    @property
+    def fork_ready(self) -> bool:
+        return self.fork is not None and self.fork.ready
+
+    @property
+    def keeps_prompt(self) -> bool:
+        """The source of a fork whose followers wait for its prompt."""
+        fork = self.fork
+        return fork is not None and fork.source == self.key and not fork.ready and not fork.abandoned
 
     @property
     def prompt_length(self) -> int:
@@ -93,13 +136,14 @@ class Request:
     def work(self) -> int:
         """The work still ahead of it (shares.work): what its caller's turn is charged when it
         takes a slot, and what it weighs while it holds one."""
-        return work(self.prompt_remaining, self.spec.stopping.max_new_tokens - self.generated_tokens)
+        prompt = 0 if self.copies_prompt else self.prompt_remaining
+        return work(prompt, self.spec.stopping.max_new_tokens - self.generated_tokens)
 
     @property
     def queued_tokens(self) -> int:
         """Prompt tokens it would add to the queue's bound: none once its prompt is done (a
-        swapped-out generation)."""
-        return self.prompt_remaining
+        swapped-out generation), nor for a prompt it copies."""
+        return 0 if self.copies_prompt else self.prompt_remaining
 
     @property
     def swappable(self) -> bool:

@@ -21,6 +21,8 @@ What it decides:
 - **Prompt work**: stall-free pacing (pacing.py) sizes the round's prompt budget; it goes to the
   most urgent priority first, then to the caller holding the least work in slots for its weight.
 - **Endings**: aborts and passed deadlines end requests at the round's start.
+- **Forks** (n completions): the followers of a fork wait until its source's prompt rows are
+  kept, then take slots like any request and copy the prompt instead of prefilling it.
 
 Not thread-safe: the engine calls it under its lock, from the engine thread (planning and taking
 back outcomes, both short) and from the event loop (queueing, refusals, retry hints).
@@ -424,7 +426,9 @@ class Scheduler:
         def order(request: Request) -> tuple[int, float]:
             return request.priority.value, held_per_share(held[request.caller.name], request.caller.weight)
 
-        prompts = sorted(self._prefilling, key=order)  # a stable sort keeps arrival order among equals
+        # A follower admitted this round copies its prompt: it has no prompt work.
+        prefilling = [r for r in self._prefilling if not r.copies_prompt]
+        prompts = sorted(prefilling, key=order)  # a stable sort keeps arrival order among equals
         return PromptWork(
             order=tuple(r.key for r in prompts),
             budget=self._prompt_budget(decoding=bool(self._decoding)),
@@ -444,6 +448,10 @@ class Scheduler:
     def update(self, outcome: RoundOutcome) -> None:
         for key, positions in outcome.prompt_positions.items():
             self._requests[key].computed_tokens += positions
+        for key, kept in outcome.prompts_kept.items():
+            fork = self._requests[key].fork
+            assert fork is not None, "a prompt kept for a request without a fork"
+            fork.ready, fork.abandoned = kept, not kept
         for key in outcome.first_tokens:
             request = self._requests[key]
             self._prefilling.remove(request)
@@ -459,6 +467,10 @@ class Scheduler:
             self._undo_preemption()
         self._planned_preemption = None
         for finished in outcome.finished:
+            ended = self._requests.get(finished.key)
+            if ended is not None and ended.keeps_prompt:
+                assert ended.fork is not None
+                ended.fork.abandoned = True  # its followers prefill the prompt themselves
             ended = self._requests.remove(finished.key)
             if ended is not None and ended.status is not RequestStatus.FINISHED:
                 self._end(ended)

@@ -27,11 +27,14 @@ class EngineStats:
     """Decode steps run for aborted sequences beyond the one step an abort may take to land."""
     step_failures: int = 0
     prefill_tokens: int = 0
-    """Prompt tokens the model processed (those copied from the prefix cache are not counted)."""
+    """Prompt tokens the model processed (those copied from the prefix cache, or from the prompt
+    of another completion of the same request, are not counted)."""
+    forked_prompt_tokens: int = 0
+    """Prompt tokens completions copied from another completion of their request (n > 1)."""
     preemptions: int = 0
-    """Running generations swapped out of their slot for a request owed it."""
+    """Requests in a slot (decoding or prefilling) swapped out for a request owed it."""
     resumptions: int = 0
-    """Swapped-out generations swapped back in."""
+    """Swapped-out requests swapped back in."""
     speculative_rows: int = 0
     """Decode-step rows that verified speculative drafts."""
     draft_tokens: int = 0

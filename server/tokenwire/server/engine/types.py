@@ -141,10 +141,10 @@ MAX_COMPLETIONS = 16
 """Most completions one request may ask for (`n`)."""
 
 
-def completion_seed(seed: int | None, index: int) -> int | None:
-    """The seed completion `index` of a request samples with: the request's seed plus the index,
-    modulo 2**64 (completion 0 keeps the request's seed; no seed stays none)."""
-    return None if seed is None else (seed + index) % 2**64
+def completion_seed(seed: int, index: int) -> int:
+    """The seed completion `index` of a request samples with: the request's seed (given, or drawn
+    at random by validation) plus the index, modulo 2**64; completion 0 keeps the request's seed."""
+    return (seed + index) % 2**64
 
 
 @dataclass(frozen=True)
