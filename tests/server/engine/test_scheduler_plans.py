@@ -144,6 +144,21 @@ def test_with_nothing_decoding_the_prompt_budget_is_unbounded_and_paced_once_a_s
     assert plan.decode == ()
 
 
+def test_a_request_waiting_for_a_slot_bounds_the_prompt_work_even_with_nothing_decoding() -> None:
+    # Long prompts in both slots, nothing decoding, a third request waiting: an unbounded round
+    # would run a whole prompt before the waiting one could be given a slot.
+    s, r = scheduler(slots=2, reserved=0)
+    for name in ("long0", "long1", "waiting"):
+        r.add(name, prompt=1000)
+
+    plan = s.schedule(NOW)
+
+    assert r.names(plan.admitted) == ["long0", "long1"] and plan.decode == ()
+    assert plan.prompts.budget == MIN_PACED_CHUNK
+    s.update(RoundOutcome(finished=[Finished(r.by_name["waiting"].key, None)]))
+    assert math.isinf(s.schedule(NOW).prompts.budget), "nothing waits any more"
+
+
 def test_a_prompt_done_decodes_in_the_next_round_and_bounds_prompt_work() -> None:
     s, r = scheduler(slots=2)
     r.add("a")

@@ -56,6 +56,8 @@ async def test_histograms_and_counters_agree_with_the_response_timing(tiny_model
         metrics.value("tokenwire_server_generated_tokens_total", **BY_MODEL) == result.completion_tokens == 8
     )
     assert metrics.value("tokenwire_engine_decode_steps_total", **BY_MODEL) == engine.stats.decode_steps >= 7
+    prefilled = metrics.value("tokenwire_engine_prefilled_tokens_total", **BY_MODEL)
+    assert prefilled == engine.stats.prefill_tokens == result.prompt_tokens
     # Nothing is waiting or running once the request has finished.
     assert metrics.value("tokenwire_engine_queue_depth", **BY_MODEL) == 0
     assert metrics.value("tokenwire_engine_batch_size", **BY_MODEL) == 0

@@ -5,7 +5,9 @@ decode steps adds its whole time to the gap between those streams' tokens. Follo
 Sarathi-Serve (Agrawal et al., OSDI 2024), the prompt work of a round is bounded by a budget:
 the round (its prompt chunks plus one decode step) should take no longer than a step-time
 target, so a long prompt is processed over several rounds while running streams keep getting a
-token every round. With nothing decoding there is nobody to stall and prompts run at full speed.
+token every round. The same holds a request waiting for a slot to one target's time before the
+next round, where it may get one (preemption takes one back for it). With nothing decoding and
+nothing waiting there is nobody to stall and prompts run at full speed.
 
 The budget is in tokens, from costs measured as the server runs: the time per prompt token and
 the time of one decode step, each a moving average of recent model calls. The target is either

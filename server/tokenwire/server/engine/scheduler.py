@@ -18,8 +18,10 @@ What it decides:
   share of the slots gives way to one under its share. The victim may be decoding or still
   prefilling its prompt (a flood of long prompts holds slots for seconds before a first token);
   it resumes where it was. At most one a round.
-- **Prompt work**: stall-free pacing (pacing.py) sizes the round's prompt budget; it goes to the
-  most urgent priority first, then to the caller holding the least work in slots for its weight.
+- **Prompt work**: stall-free pacing (pacing.py) sizes the round's prompt budget, unbounded only
+  when no stream decodes and no request waits for a slot (a waiting request is stalled by a long
+  round too: only between rounds can it take a slot); the budget goes to the most urgent priority
+  first, then to the caller holding the least work in slots for its weight.
 - **Endings**: aborts and passed deadlines end requests at the round's start.
 - **Forks** (n completions): the followers of a fork wait until its source's prompt rows are
   kept, then take slots like any request and copy the prompt instead of prefilling it.
@@ -429,15 +431,20 @@ class Scheduler:
         # A follower admitted this round copies its prompt: it has no prompt work.
         prefilling = [r for r in self._prefilling if not r.copies_prompt]
         prompts = sorted(prefilling, key=order)  # a stable sort keeps arrival order among equals
+        # A request waiting for a slot is stalled by a long round as a decoding stream is: the next
+        # round is when it can take a slot (or one is taken back for it). So the prompt budget is
+        # unbounded only when nothing decodes and nothing waits.
+        stalls = bool(self._decoding) or any(r.ready for r in self._waiting)
         return PromptWork(
             order=tuple(r.key for r in prompts),
-            budget=self._prompt_budget(decoding=bool(self._decoding)),
+            budget=self._prompt_budget(decoding=stalls),
             paced_budget=self._prompt_budget(decoding=True),
             chunk_size=self._config.prefill_chunk_size,
         )
 
     def _prompt_budget(self, *, decoding: bool) -> float:
-        """Prompt tokens a round may process: unbounded when nothing decodes."""
+        """Prompt tokens a round may process: unbounded when nothing would be stalled (`decoding`
+        False: no stream decodes and no request waits for a slot)."""
         if not self._config.stall_free:
             return self._config.prefill_chunk_size if decoding else math.inf
         tokens = self._pacer.budget(decoding=decoding).tokens

@@ -30,6 +30,7 @@ PROMPT_TOKENS = "tokenwire.server.prompt_tokens"
 GENERATED_TOKENS = "tokenwire.server.generated_tokens"
 DECODE_STEPS = "tokenwire.engine.decode_steps"
 PREEMPTIONS = "tokenwire.engine.preemptions"
+PREFILLED_TOKENS = "tokenwire.engine.prefilled_tokens"
 DRAFT_TOKENS = "tokenwire.engine.draft_tokens"
 ACCEPTED_DRAFT_TOKENS = "tokenwire.engine.accepted_draft_tokens"
 QUEUE_DEPTH = "tokenwire.engine.queue.depth"
@@ -160,12 +161,20 @@ class ServerMetrics:
             unit="{token}",
             description="Of the speculative draft tokens verified, those accepted as generated tokens.",
         )
+        self._prefilled_tokens = meter.create_counter(
+            PREFILLED_TOKENS,
+            unit="{token}",
+            description=(
+                "Prompt tokens the model processed: not those copied from the prefix cache, nor "
+                "those a completion copied from another of its request's (n > 1)."
+            ),
+        )
         self._preemptions = meter.create_counter(
             PREEMPTIONS,
             unit="{request}",
             description=(
-                "Running generations swapped out of their slot for a request owed it, "
-                "by the caller that gave it up."
+                "Requests in a slot (decoding, or prefilling their prompt) swapped out for a "
+                "request owed it, by the caller that gave it up."
             ),
         )
         meter.create_observable_gauge(
@@ -257,7 +266,7 @@ class ServerMetrics:
         self._decode_steps.add(1, {MODEL: model})
 
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
-        return None
+        self._prefilled_tokens.add(tokens, {MODEL: model})
 
     def drafts_verified(self, *, model: str, drafted: int, accepted: int) -> None:
         self._draft_tokens.add(drafted, {MODEL: model})
