@@ -155,14 +155,15 @@ class GenerateRequest(_message.Message):
     """
     n: _builtins.int
     """How many completions to generate from the prompt, 1 to 16; 0 (unset) means 1. Anything else
-    is INVALID_ARGUMENT naming n. The prompt is prefilled once and its KV cache shared; each
-    completion then samples on its own, so greedy completions are identical and sampled ones
-    differ. With sampling.seed set, completion i samples with seed + i (modulo 2^64), so
-    completion i of a request equals the one completion of the same request with n = 1 and that
-    seed. Each completion stops on its own (its own finish_reason); cancelling the request_id
-    (or the call) cancels all n. The request counts as n requests against the caller's share
-    and the queue's places. With n > 1 the response lists the completions in
-    GenerateResponse.choices and each TokenChunk says which completion it belongs to.
+    is INVALID_ARGUMENT naming n. The prompt is prefilled once and its KV cache copied to each
+    completion (on a runner that cannot copy KV rows each completion prefills it); each then
+    samples on its own, so greedy completions are identical and sampled ones differ. With
+    sampling.seed set, completion i samples with seed + i (modulo 2^64): it is the one completion
+    of the same request with n = 1 and that seed, as far as SamplingParams.seed promises the same
+    tokens. Each completion stops on its own (its own finish_reason); cancelling the request_id
+    (or the call) cancels all n. The request counts as n requests against the caller's share and
+    the queue's places. With n > 1 the response lists the completions in GenerateResponse.choices
+    and each TokenChunk says which completion it belongs to.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
