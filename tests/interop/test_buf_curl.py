@@ -83,6 +83,37 @@ async def test_buf_curl_generate_returns_the_same_tokens_as_the_python_client(
     await assert_recovered(server)
 
 
+async def test_buf_curl_generate_with_n_returns_each_completion_as_a_choice(server: TokenwireServer) -> None:
+    body = {
+        "prompt": "The capital of France is",
+        "n": 2,
+        "sampling": {"temperature": 1.5, "seed": "31"},
+        "stopping": {"maxNewTokens": 8, "ignoreEos": True},
+    }
+    code, out, err = await buf_curl(
+        server.port, "-d", json.dumps(body), f"http://127.0.0.1:{server.port}/{SERVICE}/Generate"
+    )
+    assert code == 0, err
+    response = json.loads(out)
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
+        reference = await client.generate(
+            "The capital of France is",
+            GenerateOptions(
+                sampling=Sampling(temperature=1.5, seed=31),
+                stopping=Stopping(max_new_tokens=8, ignore_eos=True),
+                n=2,
+            ),
+        )
+    # proto3 JSON leaves out a field at its default: completion 0's index and the empty top level.
+    choices = response["choices"]
+    assert [choice.get("index", 0) for choice in choices] == [0, 1]
+    assert [choice["tokenIds"] for choice in choices] == [list(c.token_ids) for c in reference.choices]
+    assert [choice["finishReason"] for choice in choices] == ["FINISH_REASON_LENGTH"] * 2
+    assert "tokenIds" not in response and "text" not in response
+    assert response["usage"]["completionTokens"] == 16 == reference.completion_tokens
+    await assert_recovered(server)
+
+
 async def test_buf_curl_streams_two_generations_on_one_call(server: TokenwireServer) -> None:
     lines = "\n".join(
         json.dumps(

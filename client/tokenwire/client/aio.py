@@ -22,6 +22,7 @@ from tokenwire.client.types import (
     Generation,
     ModelDescription,
     StreamEvent,
+    TokenLogprob,
 )
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
@@ -199,15 +200,30 @@ class MultiplexedStream:
 
 
 async def collect(events: AsyncIterator[StreamEvent]) -> Generation:
-    """Drain one generation's events into a Generation with the streamed text and tokens."""
-    text: list[str] = []
-    tokens: list[int] = []
+    """Drain one generation's events into a Generation with the streamed text and tokens; with
+    n > 1, each of its choices gets the text, tokens and logprobs its chunks carried."""
+    text: dict[int, list[str]] = {}
+    tokens: dict[int, list[int]] = {}
+    logprobs: dict[int, list[TokenLogprob]] = {}
     async for event in events:
         if isinstance(event, Failed):
             raise event.error
         if isinstance(event, Completed):
-            return replace(event.generation, text="".join(text), token_ids=tuple(tokens))
+            generation = event.generation
+            if generation.choices:
+                choices = tuple(
+                    replace(
+                        choice,
+                        text="".join(text.get(choice.index, [])),
+                        token_ids=tuple(tokens.get(choice.index, [])),
+                        logprobs=tuple(logprobs.get(choice.index, [])),
+                    )
+                    for choice in generation.choices
+                )
+                return replace(generation, choices=choices)
+            return replace(generation, text="".join(text.get(0, [])), token_ids=tuple(tokens.get(0, [])))
         if isinstance(event, Chunk):
-            text.append(event.text)
-            tokens.extend(event.token_ids)
+            text.setdefault(event.index, []).append(event.text)
+            tokens.setdefault(event.index, []).extend(event.token_ids)
+            logprobs.setdefault(event.index, []).extend(event.logprobs)
     raise TokenwireError(grpc.StatusCode.UNKNOWN, "stream ended before the generation completed")

@@ -12,6 +12,7 @@ from tokenwire.client.types import (
     ChatMessage,
     Chunk,
     Completed,
+    CompletionChoice,
     Failed,
     FinishReason,
     GenerateOptions,
@@ -94,6 +95,8 @@ def generate_request(
         message.timeout.CopyFrom(_duration(options.timeout))
     if options.priority is not Priority.DEFAULT:
         message.priority = _PRIORITIES[options.priority]
+    if options.n != 1:
+        message.n = options.n  # unset for one completion: the request stays what it always was
     response_format = options.response_format
     if response_format is not None:
         if response_format.json_schema is not None:
@@ -120,6 +123,17 @@ def generation(message: pb.GenerateResponse) -> Generation:
         accepted_draft_tokens=message.usage.accepted_draft_tokens,
         draft_tokens=message.usage.draft_tokens,
         timing=timing(message.timing),
+        logprobs=tuple(logprob(lp) for lp in message.logprobs),
+        choices=tuple(completion_choice(choice) for choice in message.choices),
+    )
+
+
+def completion_choice(message: pb.Completion) -> CompletionChoice:
+    return CompletionChoice(
+        index=message.index,
+        text=message.text,
+        token_ids=tuple(message.token_ids),
+        finish_reason=_FINISH.get(message.finish_reason, FinishReason.UNSPECIFIED),
         logprobs=tuple(logprob(lp) for lp in message.logprobs),
     )
 
@@ -155,7 +169,11 @@ def stream_event(message: pb.StreamGenerateResponse) -> StreamEvent:
     if kind == "chunk":
         chunk = message.chunk
         return Chunk(
-            request_id, chunk.text, tuple(chunk.token_ids), tuple(logprob(lp) for lp in chunk.logprobs)
+            request_id,
+            chunk.text,
+            tuple(chunk.token_ids),
+            tuple(logprob(lp) for lp in chunk.logprobs),
+            index=chunk.index,
         )
     if kind == "queued":
         return Queued(request_id, message.queued.position)

@@ -79,6 +79,10 @@ class GenerateOptions:
     """Per-request deadline in seconds, enforced by the server through queue and generation."""
     response_format: ResponseFormat | None = None
     priority: Priority = Priority.DEFAULT
+    n: int = 1
+    """Completions to generate from the prompt, 1 to 16 (prefilled once). With a seed, completion i
+    samples with seed + i. With n > 1 they come back in Generation.choices, and each Chunk names
+    its completion by index."""
 
 
 @dataclass(frozen=True)
@@ -104,6 +108,17 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class CompletionChoice:
+    """One of the completions of a generation that asked for n > 1."""
+
+    index: int
+    text: str
+    token_ids: tuple[int, ...]
+    finish_reason: FinishReason
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
 class Generation:
     request_id: str
     model: str
@@ -120,6 +135,9 @@ class Generation:
     """Of completion_tokens, speculative drafts the model accepted (0 without speculation)."""
     draft_tokens: int = 0
     """Speculative draft tokens the server verified for this request, accepted or not."""
+    choices: tuple[CompletionChoice, ...] = ()
+    """Every completion, in index order, when the request asked for n > 1 (text, token_ids and
+    logprobs above are then empty, and completion_tokens counts all of them); empty for n = 1."""
 
 
 @dataclass(frozen=True)
@@ -152,11 +170,14 @@ class Chunk:
     text: str
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] = ()
+    index: int = 0
+    """Which completion these tokens belong to (0 unless the request asked for n > 1)."""
 
 
 @dataclass(frozen=True)
 class Completed:
-    """The last event of a successful generation; text and tokens came in the chunks."""
+    """The last event of a successful generation; text and tokens came in the chunks (with n > 1,
+    generation.choices carries each completion's index and finish reason only)."""
 
     request_id: str
     generation: Generation

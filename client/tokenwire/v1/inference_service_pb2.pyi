@@ -103,6 +103,7 @@ class GenerateRequest(_message.Message):
     RESPONSE_FORMAT_FIELD_NUMBER: _builtins.int
     PRIORITY_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
+    N_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen identifier: at most 128 characters, each printable ASCII other than space
     ("!" to "~"); anything else is INVALID_ARGUMENT. Required in StreamGenerate, where it must be
@@ -151,6 +152,18 @@ class GenerateRequest(_message.Message):
     idempotency_key differs) is ALREADY_EXISTS (reason IDEMPOTENCY_KEY_REUSED) naming
     idempotency_key. Choose a fresh key per logical request (a UUID) and send it again only on
     retries of that request.
+    """
+    n: _builtins.int
+    """How many completions to generate from the prompt, 1 to 16; 0 (unset) means 1. Anything else
+    is INVALID_ARGUMENT naming n. The prompt is prefilled once and its KV cache copied to each
+    completion (on a runner that cannot copy KV rows each completion prefills it); each then
+    samples on its own, so greedy completions are identical and sampled ones differ. With
+    sampling.seed set, completion i samples with seed + i (modulo 2^64): it is the one completion
+    of the same request with n = 1 and that seed, as far as SamplingParams.seed promises the same
+    tokens. Each completion stops on its own (its own finish_reason); cancelling the request_id
+    (or the call) cancels all n. The request counts as n requests against the caller's share and
+    the queue's places. With n > 1 the response lists the completions in GenerateResponse.choices
+    and each TokenChunk says which completion it belongs to.
     """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
@@ -209,10 +222,11 @@ class GenerateRequest(_message.Message):
         response_format: Global___ResponseFormat | None = ...,
         priority: Global___Priority.ValueType = ...,
         idempotency_key: _builtins.str = ...,
+        n: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "idempotency_key", b"idempotency_key", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "idempotency_key", b"idempotency_key", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "n", b"n", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__prompt: _TypeAlias = _typing.Literal["prompt"]  # noqa: Y015
     _WhichOneofArgType__prompt: _TypeAlias = _typing.Literal["_prompt", b"_prompt"]  # noqa: Y015
@@ -705,6 +719,7 @@ class GenerateResponse(_message.Message):
     USAGE_FIELD_NUMBER: _builtins.int
     TIMING_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    CHOICES_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (assigned by the server when the unary request left it empty)."""
     model: _builtins.str
@@ -733,6 +748,16 @@ class GenerateResponse(_message.Message):
         `completed` event.
         """
 
+    @_builtins.property
+    def choices(self) -> _containers.RepeatedCompositeFieldContainer[Global___Completion]:
+        """The completions, one per completion in index order, when the request asked for n > 1; empty
+        for n = 1, whose completion is the fields above. With n > 1 the top-level text, token_ids and
+        logprobs are empty, finish_reason is CANCELLED when the request was cancelled and otherwise
+        that of the completion that ended last, and usage counts the prompt once and the tokens of
+        every completion. In a streamed `completed` event each Completion carries only its index and
+        finish_reason: the chunks carried its text, tokens and logprobs.
+        """
+
     def __init__(
         self,
         *,
@@ -744,14 +769,57 @@ class GenerateResponse(_message.Message):
         usage: Global___Usage | None = ...,
         timing: Global___Timing | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        choices: _abc.Iterable[Global___Completion] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___GenerateResponse: _TypeAlias = GenerateResponse  # noqa: Y015
+
+@_typing.final
+class Completion(_message.Message):
+    """Completion is one of the completions of a request that asked for n > 1."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    FINISH_REASON_FIELD_NUMBER: _builtins.int
+    LOGPROBS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Which completion: 0 to n - 1, the index its TokenChunks carry."""
+    text: _builtins.str
+    """The generated text, without stop strings or end-of-sequence markup."""
+    finish_reason: Global___FinishReason.ValueType
+    """Why this completion ended."""
+    @_builtins.property
+    def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
+        """The generated token ids, in order."""
+
+    @_builtins.property
+    def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
+        """One entry per generated token when the request asked for logprobs."""
+
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        text: _builtins.str = ...,
+        token_ids: _abc.Iterable[_builtins.int] | None = ...,
+        finish_reason: Global___FinishReason.ValueType = ...,
+        logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Completion: _TypeAlias = Completion  # noqa: Y015
 
 @_typing.final
 class StreamGenerateRequest(_message.Message):
@@ -922,9 +990,15 @@ class TokenChunk(_message.Message):
     TEXT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    INDEX_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """New text. Never splits a UTF-8 character and never contains any part of a stop string; text
     that may be the beginning of a stop string is held back until it is known not to be.
+    """
+    index: _builtins.int
+    """Which completion produced these tokens (GenerateRequest.n): 0 to n - 1, always 0 for n = 1.
+    Each completion's chunks, concatenated in order, are that completion's output; chunks of
+    different completions interleave.
     """
     @_builtins.property
     def token_ids(self) -> _containers.RepeatedScalarFieldContainer[_builtins.int]:
@@ -940,10 +1014,11 @@ class TokenChunk(_message.Message):
         text: _builtins.str = ...,
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        index: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

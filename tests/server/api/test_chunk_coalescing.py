@@ -46,3 +46,26 @@ def test_chunks_after_a_request_s_final_event_are_not_merged_into_earlier_ones()
 def test_a_single_message_passes_unchanged() -> None:
     only = chunk("a", "x", 1)
     assert coalesce_chunks([only]) == [only]
+
+
+def test_chunks_of_different_completions_never_merge() -> None:
+    def of_completion(index: int, text: str, token: int) -> pb.StreamGenerateResponse:
+        message = chunk("a", text, token)
+        message.chunk.index = index
+        return message
+
+    backlog = [
+        of_completion(0, "A", 1),
+        of_completion(1, "x", 9),
+        of_completion(0, "B", 2),
+        of_completion(1, "y", 8),
+        completed("a"),
+    ]
+    merged = coalesce_chunks(backlog)
+    assert [(m.WhichOneof("event"), m.chunk.index) for m in merged] == [
+        ("chunk", 0),
+        ("chunk", 1),
+        ("completed", 0),
+    ]
+    assert merged[0].chunk.text == "AB" and list(merged[0].chunk.token_ids) == [1, 2]
+    assert merged[1].chunk.text == "xy" and list(merged[1].chunk.token_ids) == [9, 8]

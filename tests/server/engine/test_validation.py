@@ -154,3 +154,18 @@ def test_bad_bias_or_penalty_names_its_field(
     assert raised.value.kind is ErrorKind.INVALID_ARGUMENT
     assert [v.field for v in raised.value.violations] == fields
     assert all(v.description for v in raised.value.violations)
+
+
+def test_n_is_one_unless_asked_and_reaches_the_request(validator: RequestValidator) -> None:
+    assert validator.validate(RequestSpec(prompt="x"), received_at=0.0).n == 1
+    assert validator.validate(RequestSpec(prompt="x", n=16), received_at=0.0).n == 16
+
+
+@pytest.mark.parametrize("n", [0, -1, 17])
+def test_n_outside_1_to_16_names_n(validator: RequestValidator, n: int) -> None:
+    with pytest.raises(GenerationError) as refused:
+        validator.validate(RequestSpec(prompt="x", n=n), received_at=0.0)
+    assert refused.value.kind is ErrorKind.INVALID_ARGUMENT
+    assert [(v.field, v.description) for v in refused.value.violations] == [
+        ("n", f"must be between 1 and 16, got {n}")
+    ]

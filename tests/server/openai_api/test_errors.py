@@ -37,7 +37,9 @@ def client_of(server: TokenwireServer) -> openai.AsyncOpenAI:
         ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
         ({"top_logprobs": 2}, "top_logprobs"),
         ({"seed": -1}, "seed"),
-        ({"n": 2}, "n"),
+        ({"n": 0}, "n"),
+        ({"n": 17}, "n"),
+        ({"extra_body": {"n": "two"}}, "n"),
         ({"logit_bias": {"17": 500}}, "logit_bias[17]"),
         ({"logit_bias": {"word": 5}}, "logit_bias[word]"),
         ({"logit_bias": {"99999999": 5}}, "logit_bias[99999999]"),
@@ -86,6 +88,8 @@ async def test_bad_chat_parameters_are_400_naming_the_parameter(
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
         ({"prompt": "x", "suffix": "tail"}, "suffix"),
+        ({"prompt": "x", "n": -1}, "n"),
+        ({"prompt": "x", "n": 17}, "n"),
     ],
 )
 async def test_bad_completion_parameters_are_400_naming_the_parameter(

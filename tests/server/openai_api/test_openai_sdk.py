@@ -234,3 +234,79 @@ async def test_logit_bias_and_penalties_steer_tokens_as_on_grpc(http_server: Tok
     assert forced_reference.token_ids == (17,) * 6  # +100 forces the token at every step
     assert forced.choices[0].text == forced_reference.text
     assert penalized.choices[0].text == reference.text
+
+
+async def test_n_choices_each_with_its_index_finish_reason_and_the_grpc_completion(
+    http_server: TokenwireServer,
+) -> None:
+    def ask() -> tuple[openai.types.chat.ChatCompletion, openai.types.Completion]:
+        with sync_client(http_server) as client:
+            chat = client.chat.completions.create(
+                model="tiny", messages=CHAT, max_tokens=10, temperature=1.5, seed=40, n=2
+            )
+            completion = client.completions.create(
+                model="tiny", prompt="Once upon", max_tokens=9, temperature=1.5, seed=40, n=2
+            )
+            return chat, completion
+
+    chat, completion = await asyncio.to_thread(ask)
+    options = GenerateOptions(sampling=Sampling(temperature=1.5, seed=40), stopping=Stopping(10), n=2)
+    async with AsyncClient(f"127.0.0.1:{http_server.port}", retries=False) as grpc_client:
+        reference = await grpc_client.generate([ChatMessage("user", "Name a colour")], options)
+        alone = await grpc_client.generate(
+            "Once upon",
+            GenerateOptions(sampling=Sampling(temperature=1.5, seed=41), stopping=Stopping(9)),
+        )
+    assert [c.index for c in chat.choices] == [0, 1]
+    assert [c.message.content for c in chat.choices] == [c.text for c in reference.choices]
+    finish = {"length": "length", "eos": "stop", "stop": "stop"}
+    assert [c.finish_reason for c in chat.choices] == [
+        finish[c.finish_reason.value] for c in reference.choices
+    ]
+    assert chat.usage is not None
+    assert chat.usage.prompt_tokens == reference.prompt_tokens
+    assert chat.usage.completion_tokens == reference.completion_tokens
+    assert chat.usage.total_tokens == reference.prompt_tokens + reference.completion_tokens
+    assert [c.index for c in completion.choices] == [0, 1]
+    # Completion 1 samples with seed + 1.
+    assert completion.choices[1].text == alone.text
+    assert completion.usage is not None
+    assert completion.usage.prompt_tokens == alone.prompt_tokens
+
+
+async def test_a_streamed_n_interleaves_choices_by_index_and_finishes_each(
+    http_server: TokenwireServer,
+) -> None:
+    async with async_client(http_server) as client:
+        whole = await client.chat.completions.create(
+            model="tiny", messages=CHAT, max_tokens=12, temperature=1.5, seed=9, n=3
+        )
+        stream = await client.chat.completions.create(
+            model="tiny",
+            messages=CHAT,
+            max_tokens=12,
+            temperature=1.5,
+            seed=9,
+            n=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [chunk async for chunk in stream]
+    with_choices = [c for c in chunks if c.choices]
+    assert all(len(c.choices) == 1 for c in with_choices)
+    # Each completion opens with its role and ends with its own finish reason.
+    roles = [c.choices[0].index for c in with_choices if c.choices[0].delta.role == "assistant"]
+    assert sorted(roles) == [0, 1, 2]
+    text: dict[int, str] = {}
+    finishes: dict[int, list[str]] = {}
+    for chunk in with_choices:
+        choice = chunk.choices[0]
+        text[choice.index] = text.get(choice.index, "") + (choice.delta.content or "")
+        if choice.finish_reason is not None:
+            finishes.setdefault(choice.index, []).append(choice.finish_reason)
+    assert text == {c.index: c.message.content for c in whole.choices}
+    assert finishes == {c.index: [c.finish_reason] for c in whole.choices}
+    last = chunks[-1]
+    assert last.choices == [] and last.usage is not None and whole.usage is not None
+    assert last.usage.completion_tokens == whole.usage.completion_tokens
+    assert last.usage.prompt_tokens == whole.usage.prompt_tokens

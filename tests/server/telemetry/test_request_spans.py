@@ -177,3 +177,18 @@ async def test_a_refused_request_gets_an_error_span_without_stages(
 async def test_tracing_is_off_without_an_exporter(tiny_model_dir: Path) -> None:
     async with serving(tiny_settings(tiny_model_dir)) as server:
         assert server.telemetry.requests.tracer is None
+
+
+async def test_a_request_for_n_completions_counts_them_in_its_span(
+    traced: TokenwireServer, spans: InMemorySpanExporter
+) -> None:
+    response = await call_generate(traced, request("three", max_new_tokens=6, n=3))
+    assert len(response.choices) == 3
+
+    (root,) = [s for s in spans.get_finished_spans() if s.kind is SpanKind.SERVER]
+    attributes = root.attributes or {}
+    assert attributes["gen_ai.request.choice.count"] == 3
+    assert attributes["gen_ai.usage.output_tokens"] == response.usage.completion_tokens == 18
+    decode = children_of(root, spans.get_finished_spans())["decode"]
+    # Each completion's first token came from the one prefill; the other five of each were decoded.
+    assert (decode.attributes or {})["tokenwire.decode.tokens"] == 15

@@ -259,6 +259,8 @@ def _fingerprint(message: pb.GenerateRequest) -> bytes:
     body.CopyFrom(message)
     body.request_id = ""
     body.idempotency_key = ""
+    if body.n == 1:
+        body.n = 0  # 0 and 1 both ask for one completion: a retry may spell it either way
     return hashlib.sha256(body.SerializeToString(deterministic=True)).digest()
 
 

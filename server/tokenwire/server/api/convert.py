@@ -7,6 +7,7 @@ from google.protobuf.duration_pb2 import Duration
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.engine.types import (
     Completed,
+    CompletionChoice,
     EngineEvent,
     Failed,
     FinishReason,
@@ -63,6 +64,7 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
         top_logprobs=message.top_logprobs,
         timeout=_seconds(message.timeout) if message.HasField("timeout") else None,
         priority=_PRIORITIES.get(message.priority),
+        n=message.n or 1,  # proto3's unset 0 means one completion
         response_format=(
             response_format(message.response_format) if message.HasField("response_format") else None
         ),
@@ -148,7 +150,19 @@ def generate_response(result: GenerationResult, *, include_outputs: bool = True)
         response.text = result.text
         response.token_ids.extend(result.token_ids)
         response.logprobs.extend(token_logprobs(lp) for lp in result.logprobs)
+    response.choices.extend(completion(choice, include_outputs=include_outputs) for choice in result.choices)
     return response
+
+
+def completion(choice: CompletionChoice, *, include_outputs: bool = True) -> pb.Completion:
+    """One of n completions; only its index and finish reason for a stream's `completed` event,
+    whose chunks carried the rest."""
+    message = pb.Completion(index=choice.index, finish_reason=_FINISH_REASONS[choice.finish_reason])
+    if include_outputs:
+        message.text = choice.text
+        message.token_ids.extend(choice.token_ids)
+        message.logprobs.extend(token_logprobs(lp) for lp in choice.logprobs)
+    return message
 
 
 def timing(report: TimingReport) -> pb.Timing:
@@ -184,6 +198,7 @@ def stream_event(request_id: str, event: EngineEvent) -> pb.StreamGenerateRespon
         message.chunk.text = event.text
         message.chunk.token_ids.extend(event.token_ids)
         message.chunk.logprobs.extend(token_logprobs(lp) for lp in event.logprobs)
+        message.chunk.index = event.index
     elif isinstance(event, Started):
         message.started.queued.CopyFrom(duration(event.queued_seconds))
         message.started.prompt_tokens = event.prompt_tokens

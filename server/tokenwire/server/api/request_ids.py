@@ -3,10 +3,11 @@
 A request that carries an idempotency_key is registered under (caller, key) with a fingerprint
 of its body. While it runs, a retry with the same caller, key and body attaches to it instead of
 starting a second generation: it hears what happened so far (started, then the tokens so far as
-one chunk) and then every event as it comes. After a generation ends by itself (EOS, length or a
-stop string) its result stays retrievable for `retention` seconds, within `max_bytes` of results
-in all (oldest dropped first). A retry with the same key and another body is ALREADY_EXISTS.
-Keys are scoped per caller, so no caller can reach another's generations.
+one chunk per completion, under the completion's index) and then every event as it comes.
+After a generation ends by itself (EOS, length or a stop string) its result stays retrievable
+for `retention` seconds, within `max_bytes` of results in all (oldest dropped first). A retry
+with the same key and another body is ALREADY_EXISTS. Keys are scoped per caller, so no caller
+can reach another's generations.
 
 Only the key makes a request idempotent: a request_id is a handle (a stream's label for events
 and cancels) and is never looked up here, so two clients numbering their requests 1, 2, 3 never
@@ -43,6 +44,15 @@ _NATURAL_ENDS = (FinishReason.EOS, FinishReason.LENGTH, FinishReason.STOP)
 
 
 @dataclass
+class _Output:
+    """What one completion of a live generation produced so far."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: list[str] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+
+
+@dataclass
 class _Generation:
     caller: str
     idempotency_key: str
@@ -52,9 +62,8 @@ class _Generation:
     """The engine's handle of the request, for aborting it."""
     listeners: dict[int, EventSink] = field(default_factory=dict)
     started: Started | None = None
-    token_ids: list[int] = field(default_factory=list)
-    text: list[str] = field(default_factory=list)
-    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    outputs: dict[int, _Output] = field(default_factory=dict)
+    """Per completion index (0 alone unless the request asked for n > 1), its output so far."""
     completed: Completed | None = None
     """Its result, when kept (a natural end, with retention)."""
     ending: Completed | Failed | None = None
@@ -63,17 +72,31 @@ class _Generation:
     size: int = 0
 
     def so_far(self) -> list[EngineEvent]:
-        """What a listener that joins now has missed, as few events as possible."""
+        """What a listener that joins now has missed, as few events as possible: one chunk per
+        completion, under that completion's index."""
         events: list[EngineEvent] = []
         if self.started is not None:
             events.append(self.started)
         if self.completed is not None:
             result = self.completed.result
-            if result.token_ids or result.text:
+            if result.choices:
+                events.extend(
+                    TokensGenerated(choice.token_ids, choice.text, choice.logprobs, index=choice.index)
+                    for choice in result.choices
+                    if choice.token_ids or choice.text
+                )
+            elif result.token_ids or result.text:
                 events.append(TokensGenerated(result.token_ids, result.text, result.logprobs))
             events.append(self.completed)
-        elif self.token_ids or self.text:
-            events.append(TokensGenerated(tuple(self.token_ids), "".join(self.text), tuple(self.logprobs)))
+            return events
+        for index in sorted(self.outputs):
+            output = self.outputs[index]
+            if output.token_ids or output.text:
+                events.append(
+                    TokensGenerated(
+                        tuple(output.token_ids), "".join(output.text), tuple(output.logprobs), index=index
+                    )
+                )
         return events
 
 
@@ -189,9 +212,10 @@ class GenerationRegistry:
         if isinstance(event, Started):
             generation.started = event
         elif isinstance(event, TokensGenerated):
-            generation.token_ids.extend(event.token_ids)
-            generation.text.append(event.text)
-            generation.logprobs.extend(event.logprobs)
+            output = generation.outputs.setdefault(event.index, _Output())
+            output.token_ids.extend(event.token_ids)
+            output.text.append(event.text)
+            output.logprobs.extend(event.logprobs)
         for listener in list(generation.listeners.values()):
             listener(event)
         if isinstance(event, Completed | Failed):
@@ -206,10 +230,15 @@ class GenerationRegistry:
             return
         result = completed.result
         generation.completed = completed
-        generation.token_ids, generation.text, generation.logprobs = [], [], []
+        generation.outputs = {}
         generation.started = Started(result.timing.queued, result.prompt_tokens)
-        # The result holds the text, the ids and the logprobs; count them with some overhead.
-        generation.size = 512 + 4 * len(result.text) + 32 * len(result.token_ids) + 256 * len(result.logprobs)
+        # The result holds the text, the ids and the logprobs (of every completion); count them
+        # with some overhead.
+        outputs = [(result.text, result.token_ids, result.logprobs)]
+        outputs += [(choice.text, choice.token_ids, choice.logprobs) for choice in result.choices]
+        generation.size = 512 + sum(
+            64 + 4 * len(text) + 32 * len(ids) + 256 * len(logprobs) for text, ids, logprobs in outputs
+        )
         if generation.size > self._max_bytes:
             return
         generation.finished_at = self._clock()

@@ -293,21 +293,25 @@ def coalesce_chunks(backlog: list[pb.StreamGenerateResponse | None]) -> list[pb.
     Only a backlog is merged, so a reader that keeps up still gets every token the moment it is
     made; one that falls behind gets fewer, larger chunks instead of paying per token on both
     sides. A request's events keep their order: its chunks merge only up to its next other event.
+    Chunks of different completions of one request (n > 1) never merge: each completion's chunks
+    merge among themselves, in their order.
     """
     merged: list[pb.StreamGenerateResponse] = []
-    open_chunks: dict[str, pb.StreamGenerateResponse] = {}
+    open_chunks: dict[str, dict[int, pb.StreamGenerateResponse]] = {}
+    """Per request, per completion index, the chunk later ones merge into."""
     for message in backlog:
         if message is None:
             continue
         request_id = message.request_id
         if message.WhichOneof("event") == "chunk":
-            target = open_chunks.get(request_id)
+            of_request = open_chunks.setdefault(request_id, {})
+            target = of_request.get(message.chunk.index)
             if target is not None:
                 target.chunk.text += message.chunk.text
                 target.chunk.token_ids.extend(message.chunk.token_ids)
                 target.chunk.logprobs.extend(message.chunk.logprobs)
                 continue
-            open_chunks[request_id] = message
+            of_request[message.chunk.index] = message
         else:
             open_chunks.pop(request_id, None)
         merged.append(message)

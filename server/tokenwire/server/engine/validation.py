@@ -14,7 +14,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenwire.server.engine.errors import MAX_VIOLATIONS, FieldViolation, GenerationError, excerpt
-from tokenwire.server.engine.types import GenerationRequest, Priority, StopConditions
+from tokenwire.server.engine.types import MAX_COMPLETIONS, GenerationRequest, Priority, StopConditions
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat, SamplingParams
 from tokenwire.server.settings_schema import setting
@@ -96,6 +96,8 @@ class RequestSpec:
     response_format: ResponseFormat | None = None
     priority: Priority | None = Priority.DEFAULT
     """None: a value this server does not know."""
+    n: int | None = None
+    """Completions to generate; None: one."""
 
 
 ChatPromptIds = Callable[[Sequence[ChatTurn]], list[int]]
@@ -139,6 +141,8 @@ class RequestValidator:
             violations.append(FieldViolation("priority", "unknown value; use INTERACTIVE, DEFAULT or BATCH"))
         if spec.timeout is not None and not (math.isfinite(spec.timeout) and spec.timeout > 0):
             violations.append(FieldViolation("timeout", "must be a positive duration"))
+        if spec.n is not None and not 1 <= spec.n <= MAX_COMPLETIONS:
+            violations.append(FieldViolation("n", f"must be between 1 and {MAX_COMPLETIONS}, got {spec.n}"))
         if violations:
             raise GenerationError.invalid(*violations)
 
@@ -171,6 +175,7 @@ class RequestValidator:
             deadline=deadline,
             response_format=spec.response_format,
             priority=spec.priority or Priority.DEFAULT,
+            n=1 if spec.n is None else spec.n,
         )
 
     def _check_response_format(self, spec: RequestSpec) -> list[FieldViolation]:

@@ -301,7 +301,10 @@ async def _stream(
     send: Send,
 ) -> None:
     writer = responses.ChunkWriter(
-        identity, logprobs=parsed.spec.logprobs, include_usage=parsed.include_usage
+        identity,
+        logprobs=parsed.spec.logprobs,
+        include_usage=parsed.include_usage,
+        completions=parsed.spec.n or 1,
     )
     first = await events.get()
     if first is None:
@@ -328,7 +331,9 @@ async def _stream(
             return
         if isinstance(event, Started | TokensGenerated):
             data = opening + (
-                writer.tokens(event.text, event.logprobs) if isinstance(event, TokensGenerated) else b""
+                writer.tokens(event.text, event.logprobs, event.index)
+                if isinstance(event, TokensGenerated)
+                else b""
             )
             opening = b""
             if data:

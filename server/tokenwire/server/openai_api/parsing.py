@@ -1,8 +1,8 @@
 """An OpenAI request body (already bounded in bytes) -> a RequestSpec, or a 400 naming the parameter.
 
 Only shapes and types are checked here: a parameter of the wrong JSON type, a value only
-OpenAI's API has (n > 1 and friends, until the engine serves them), an unknown parameter. Every
-numeric bound, count and length (max_tokens, temperature, top_p, top_logprobs, messages, stop,
+OpenAI's API has (echo, best_of, suffix other than their defaults), an unknown parameter. Every
+numeric bound, count and length (n, max_tokens, temperature, top_p, top_logprobs, messages, stop,
 prompt characters, the schema's size) is the request validator's, the same as for gRPC, named
 back into OpenAI's parameter names by `name_fields`.
 
@@ -112,7 +112,6 @@ def parse_chat(body: bytes, headers: Mapping[str, str], request_id: str) -> Pars
     """A POST /v1/chat/completions body. Raises GenerationError (INVALID_ARGUMENT)."""
     fields = decode_json(body)
     _refuse_unknown(fields, CHAT_PARAMETERS)
-    refuse_unwired_parameters(fields)
     messages = _messages(fields.get("messages"))
     logprobs = _optional(fields, "logprobs", bool) or False
     top_logprobs = _optional(fields, "top_logprobs", int) or 0
@@ -133,7 +132,6 @@ def parse_completion(body: bytes, headers: Mapping[str, str], request_id: str) -
     """A POST /v1/completions body. Raises GenerationError (INVALID_ARGUMENT)."""
     fields = decode_json(body)
     _refuse_unknown(fields, COMPLETION_PARAMETERS)
-    refuse_unwired_parameters(fields)
     for name, default in (("echo", False), ("best_of", 1), ("suffix", None)):
         value = fields.get(name)
         if value is not None and value != default:
@@ -153,17 +151,6 @@ def parse_completion(body: bytes, headers: Mapping[str, str], request_id: str) -
     )
     renames = {"max_new_tokens": max_name, "top_logprobs": "logprobs", "token_ids": "prompt"}
     return _finish(fields, headers, spec, renames, chat=False)
-
-
-def refuse_unwired_parameters(fields: Mapping[str, Any]) -> None:
-    """n: its default only, for now.
-
-    The engine does not yet sample several choices from one prompt; n is refused with a 400
-    naming it rather than ignored, so a client never gets fewer choices than it asked for.
-    """
-    n = fields.get("n")
-    if n is not None and (_is_bool(n) or n != 1):
-        raise bad("n", "only 1 choice per request is served")
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
@@ -224,6 +211,7 @@ def _finish(
         logit_bias=_logit_bias(fields.get("logit_bias")),
         presence_penalty=_optional_number(fields, "presence_penalty") or 0.0,
         frequency_penalty=_optional_number(fields, "frequency_penalty") or 0.0,
+        n=_optional(fields, "n", int),  # 1 to 16: the validator's bound, named n as here
     )
     renames = {
         **renames,

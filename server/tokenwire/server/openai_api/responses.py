@@ -16,7 +16,13 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from tokenwire.server.engine.types import FinishReason, GenerationResult, TimingReport, TokenLogprobs
+from tokenwire.server.engine.types import (
+    CompletionChoice,
+    FinishReason,
+    GenerationResult,
+    TimingReport,
+    TokenLogprobs,
+)
 
 EXTENSION = "tokenwire"
 DONE = b"data: [DONE]\n\n"
@@ -68,17 +74,26 @@ def usage(result: GenerationResult) -> dict[str, object]:
 
 
 def completion(identity: Identity, result: GenerationResult, *, logprobs: bool) -> bytes:
-    """The whole answer of a request that did not stream."""
-    choice: dict[str, object] = {"index": 0, "finish_reason": _FINISH_REASONS[result.finish_reason]}
-    if identity.chat:
-        choice["message"] = {"role": "assistant", "content": result.text}
-        choice["logprobs"] = chat_logprobs(result.logprobs) if logprobs else None
-    else:
-        choice["text"] = result.text
-        choice["logprobs"] = completion_logprobs(result.logprobs, 0) if logprobs else None
+    """The whole answer of a request that did not stream: one choice per completion (n)."""
+    completions = result.choices or (
+        CompletionChoice(0, result.text, result.token_ids, result.finish_reason, result.logprobs),
+    )
+    choices: list[dict[str, object]] = []
+    for completed in completions:
+        choice: dict[str, object] = {
+            "index": completed.index,
+            "finish_reason": _FINISH_REASONS[completed.finish_reason],
+        }
+        if identity.chat:
+            choice["message"] = {"role": "assistant", "content": completed.text}
+            choice["logprobs"] = chat_logprobs(completed.logprobs) if logprobs else None
+        else:
+            choice["text"] = completed.text
+            choice["logprobs"] = completion_logprobs(completed.logprobs, 0) if logprobs else None
+        choices.append(choice)
     body = {
         **_head(identity, chunk=False),
-        "choices": [choice],
+        "choices": choices,
         "usage": usage(result),
         EXTENSION: {"timing": timing(result.timing)},
     }
@@ -86,47 +101,67 @@ def completion(identity: Identity, result: GenerationResult, *, logprobs: bool) 
 
 
 class ChunkWriter:
-    """The server-sent events of one streamed response, in OpenAI's chunk format."""
+    """The server-sent events of one streamed response, in OpenAI's chunk format.
 
-    def __init__(self, identity: Identity, *, logprobs: bool, include_usage: bool) -> None:
+    With n completions every chunk carries one choice, whose index says which completion it
+    belongs to; their chunks interleave as the completions are generated, and each completion's
+    finish reason comes in a chunk of its own once all of them have ended.
+    """
+
+    def __init__(
+        self, identity: Identity, *, logprobs: bool, include_usage: bool, completions: int = 1
+    ) -> None:
         self._identity = identity
         self._logprobs = logprobs
         self._include_usage = include_usage
-        self._text_offset = 0
+        self._completions = completions
+        self._text_offsets: dict[int, int] = {}
+        """Per completion, how much text its chunks have carried (the legacy logprobs' offsets)."""
 
     def opening(self) -> bytes:
-        """Chat's first chunk names the role; completions have none."""
+        """Chat's first chunk of each completion names the role; completions have none."""
         if not self._identity.chat:
             return b""
-        return self._event(self._choice({"role": "assistant", "content": ""}, None, None))
+        return b"".join(
+            self._event(self._choice(index, {"role": "assistant", "content": ""}, None, None))
+            for index in range(self._completions)
+        )
 
-    def tokens(self, text: str, logprobs: Sequence[TokenLogprobs]) -> bytes:
+    def tokens(self, text: str, logprobs: Sequence[TokenLogprobs], index: int = 0) -> bytes:
         if not text and not logprobs:
             return b""
         if self._identity.chat:
             choice = self._choice(
-                {"content": text}, chat_logprobs(logprobs) if self._logprobs else None, None
+                index, {"content": text}, chat_logprobs(logprobs) if self._logprobs else None, None
             )
         else:
+            offset = self._text_offsets.get(index, 0)
             choice = self._choice(
+                index,
                 text,
-                completion_logprobs(logprobs, self._text_offset) if self._logprobs else None,
+                completion_logprobs(logprobs, offset) if self._logprobs else None,
                 None,
             )
-            self._text_offset += len(text)
+            self._text_offsets[index] = offset + len(text)
         return self._event(choice)
 
     def closing(self, result: GenerationResult) -> bytes:
-        """The finish reason, the usage chunk when asked for, then [DONE]; timing on the last."""
+        """Each completion's finish reason, the usage chunk when asked for, then [DONE]; timing
+        on the last."""
         extension: dict[str, object] = {EXTENSION: {"timing": timing(result.timing)}}
-        finish = self._choice({} if self._identity.chat else "", None, _FINISH_REASONS[result.finish_reason])
+        ended = [(choice.index, choice.finish_reason) for choice in result.choices] or [
+            (0, result.finish_reason)
+        ]
+        empty: object = {} if self._identity.chat else ""
+        finishes = [self._choice(index, empty, None, _FINISH_REASONS[reason]) for index, reason in ended]
+        data = b"".join(self._event(finish) for finish in finishes[:-1])
         if not self._include_usage:
-            return self._event(finish, extension) + DONE
-        last = {"choices": [], "usage": usage(result), **extension}
-        return self._event(finish) + self._frame({**_head(self._identity, chunk=True), **last}) + DONE
+            return data + self._event(finishes[-1], extension) + DONE
+        last = {**_head(self._identity, chunk=True), "choices": [], "usage": usage(result), **extension}
+        return data + self._event(finishes[-1]) + self._frame(last) + DONE
 
-    def _choice(self, delta: object, logprobs: object, finish: str | None) -> dict[str, object]:
-        choice: dict[str, object] = {"index": 0}
+    def _choice(self, index: int, delta: object, logprobs: object, finish: str | None) -> dict[str, object]:
+        choice: dict[str, object] = {"index": index}
         if self._identity.chat:
             choice["delta"] = delta
         else:

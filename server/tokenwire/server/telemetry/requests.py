@@ -103,6 +103,7 @@ class RequestRecord:
             top_p=spec.top_p,
             top_k=spec.top_k,
             seed=spec.seed,
+            completions=1 if spec.n is None else spec.n,
         )
 
     def identified(self, caller: str) -> None:

@@ -19,6 +19,8 @@ class RequestParameters:
     top_p: float | None = None
     top_k: int = 0
     seed: int | None = None
+    completions: int = 1
+    """How many completions the request asked for (`n`)."""
 
 
 @dataclass(frozen=True)

@@ -78,8 +78,10 @@ class RequestTracer:
                     "tokenwire.prefill.paced_seconds": stages.paced or 0.0,
                 }
                 children.append(("prefill", stages.queued, stages.first_token, prompt))
+                # Each completion's first token came from the prompt's stage; the rest were decoded.
+                completions = 1 if summary.parameters is None else summary.parameters.completions
                 decoded: dict[str, AttributeValue] = {
-                    "tokenwire.decode.tokens": max(0, summary.completion_tokens - 1)
+                    "tokenwire.decode.tokens": max(0, summary.completion_tokens - completions)
                 }
                 if summary.draft_tokens:
                     decoded["tokenwire.decode.draft_tokens"] = summary.draft_tokens
@@ -122,6 +124,7 @@ def _attributes(summary: RequestSummary) -> dict[str, AttributeValue]:
             ("gen_ai.request.top_p", parameters.top_p),
             ("gen_ai.request.top_k", parameters.top_k or None),
             ("gen_ai.request.seed", parameters.seed),
+            ("gen_ai.request.choice.count", parameters.completions if parameters.completions != 1 else None),
         ):
             if value is not None:
                 attributes[key] = value
