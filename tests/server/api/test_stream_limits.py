@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+from dataclasses import replace
 
 import grpc
 import pytest
@@ -96,6 +97,37 @@ async def test_the_live_generation_limit_counts_running_and_queued(start_server:
         gate.open()
     assert refusal.code is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert refusal.reason == "STREAM_GENERATIONS_LIMIT"
+
+
+async def test_the_live_generation_limit_counts_each_completion_of_a_request(
+    start_server: ServerFactory,
+) -> None:
+    gate = StepGate()  # nothing finishes while the call fills up
+    server = await start_server(
+        wrap_model=gated(gate), max_batch_size=4, stream=StreamLimits(max_generations_per_stream=4)
+    )
+    transcript = Transcript()
+    try:
+        async with (
+            AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client,
+            client.open_stream() as stream,
+        ):
+            events = stream.events()
+            await stream.submit("three", "Hello", replace(greedy(5), n=3))
+            await stream.submit("two", "Hello", replace(greedy(5), n=2))  # 3 + 2 > 4
+            await stream.submit("one", "Hello", greedy(5))  # 3 + 1 fits
+            # Its first event is its refusal (a wrong admission would show `queued` instead).
+            await read_until(events, transcript, lambda t: "two" in t.events)
+            refusal = failure(transcript, "two")
+            gate.open()
+            await read_until(events, transcript, lambda t: t.finished("three") and t.finished("one"))
+    finally:
+        gate.open()
+    assert refusal.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert refusal.reason == "STREAM_GENERATIONS_LIMIT"
+    assert "asks for 2" in refusal.message and "already has 3 live generations" in refusal.message
+    assert not isinstance(transcript.final("three"), Failed)
+    assert not isinstance(transcript.final("one"), Failed)
 
 
 @pytest.mark.parametrize("request_id", ["has space", "tab\there", "line\u2028sep", "é", "x" * 129])

@@ -35,7 +35,14 @@ from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.errors import status_proto
 from tokenwire.server.api.outbox import Outbox
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
-from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed, Started
+from tokenwire.server.engine.types import (
+    MAX_COMPLETIONS,
+    AbortReason,
+    Completed,
+    EngineEvent,
+    Failed,
+    Started,
+)
 from tokenwire.server.metadata import Metadata
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.v1 import inference_service_pb2 as pb
@@ -73,6 +80,8 @@ class StreamSession:
         self._outbox = Outbox(self._caps.unsent_bytes, clock)
         self._live: dict[str, Admitted] = {}
         self._started: set[str] = set()
+        self._completions: dict[str, int] = {}
+        """Each live request's n: it holds as many generations and queue places as completions."""
         self._half_closed = False
         self._reader_error: BaseException | None = None
         self._backlog_error: GenerationError | None = None
@@ -134,7 +143,8 @@ class StreamSession:
     async def _start(self, message: pb.GenerateRequest) -> None:
         request_id = message.request_id
         received = self._clock()
-        over = self._over_limit()
+        completions = min(max(message.n, 1), MAX_COMPLETIONS)  # validation refuses a bad n after
+        over = self._over_limit(completions)
         if over is not None:
             self._admission.refuse("StreamGenerate", self._metadata, message, over, received=received)
             self._send(_error_event(request_id, over))
@@ -156,21 +166,25 @@ class StreamSession:
             admitted.stop(AbortReason.DISCONNECTED)
             return
         self._live[request_id] = admitted
+        self._completions[request_id] = completions
         self._send(convert.queued_event(request_id, admitted.queue_position))
 
-    def _over_limit(self) -> GenerationError | None:
+    def _over_limit(self, completions: int) -> GenerationError | None:
+        """Why a request of `completions` generations cannot start on this call now, or None."""
         caps = self._caps
         if self._unread_too_long():
             return self._unread_error()
-        if len(self._live) >= caps.generations:
+        live = sum(self._completions.values())
+        if live + completions > caps.generations:
             return GenerationError(
                 ErrorKind.RESOURCE_EXHAUSTED,
-                f"this call already has {len(self._live)} live generations, the most one StreamGenerate "
-                f"call may have (--max-generations-per-stream {caps.generations}); wait for one to end",
+                f"this call already has {live} live generations and this request asks for "
+                f"{completions}, more than one StreamGenerate call may have (--max-generations-per-stream "
+                f"{caps.generations}); wait for one to end",
                 reason="STREAM_GENERATIONS_LIMIT",
             )
-        queued = len(self._live) - len(self._started)
-        if queued >= caps.queued:
+        queued = sum(n for request_id, n in self._completions.items() if request_id not in self._started)
+        if queued + completions > caps.queued:
             return GenerationError(
                 ErrorKind.RESOURCE_EXHAUSTED,
                 f"this call already has {queued} generations waiting for a slot, the most one "
@@ -203,6 +217,7 @@ class StreamSession:
     def _forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
         self._started.discard(request_id)
+        self._completions.pop(request_id, None)
 
     def _send(self, message: pb.StreamGenerateResponse) -> None:
         if self._backlog_error is not None:
@@ -285,6 +300,7 @@ class StreamSession:
             live.stop(AbortReason.DISCONNECTED)
         self._live.clear()
         self._started.clear()
+        self._completions.clear()
 
 
 def coalesce_chunks(backlog: list[pb.StreamGenerateResponse | None]) -> list[pb.StreamGenerateResponse]:

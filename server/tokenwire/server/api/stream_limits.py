@@ -27,14 +27,14 @@ MIB = 1024 * 1024
 class StreamLimits:
     max_generations_per_stream: int = setting(
         32,
-        "most generations one StreamGenerate call may have live (running or queued); more is "
-        "RESOURCE_EXHAUSTED (STREAM_GENERATIONS_LIMIT)",
+        "most generations one StreamGenerate call may have live (running or queued; a request "
+        "with n completions counts n); more is RESOURCE_EXHAUSTED (STREAM_GENERATIONS_LIMIT)",
         minimum=1,
     )
     max_queued_per_stream: int | None = setting(
         None,
-        "most queue places one StreamGenerate call may hold; more is RESOURCE_EXHAUSTED "
-        "(STREAM_QUEUE_LIMIT) (default: half of --max-queue-size, at least 1)",
+        "most queue places one StreamGenerate call may hold (a request with n completions takes n); "
+        "more is RESOURCE_EXHAUSTED (STREAM_QUEUE_LIMIT) (default: half of --max-queue-size, at least 1)",
         minimum=1,
     )
     max_unsent_bytes_per_stream: int = setting(
