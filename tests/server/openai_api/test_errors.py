@@ -87,6 +87,7 @@ async def test_bad_chat_parameters_are_400_naming_the_parameter(
         ({"prompt": "x", "logprobs": 21}, "logprobs"),
         ({"prompt": "x", "echo": True}, "echo"),
         ({"prompt": "x", "best_of": 3}, "best_of"),
+        ({"prompt": "x", "best_of": 1, "n": 2}, "best_of"),
         ({"prompt": "x", "suffix": "tail"}, "suffix"),
         ({"prompt": "x", "n": -1}, "n"),
         ({"prompt": "x", "n": 17}, "n"),

@@ -136,6 +136,10 @@ def parse_completion(body: bytes, headers: Mapping[str, str], request_id: str) -
         value = fields.get(name)
         if value is not None and value != default:
             raise bad(name, f"only {json.dumps(default)} is served")
+    n = fields.get("n")
+    if fields.get("best_of") is not None and isinstance(n, int) and not isinstance(n, bool) and n > 1:
+        # OpenAI's own rule: best_of completions are generated and the best n returned.
+        raise bad("best_of", "must be at least n (only 1 is served, so leave it out with n > 1)")
     prompt, token_ids = _prompt(fields.get("prompt"))
     # Completions' logprobs is a count: that many alternatives at each position (0 to 5 in OpenAI).
     top = _optional(fields, "logprobs", int)
