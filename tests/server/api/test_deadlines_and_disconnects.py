@@ -31,11 +31,6 @@ from tokenwire.server.app import TokenwireServer
 
 
 @pytest.fixture
-def gate() -> StepGate:
-    return StepGate()
-
-
-@pytest.fixture
 async def one_slot(start_server: ServerFactory, gate: StepGate) -> AsyncIterator[TokenwireServer]:
     server = await start_server(wrap_model=gated(gate), max_batch_size=1)
     yield server

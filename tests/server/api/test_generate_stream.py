@@ -42,11 +42,6 @@ async def stub(server: TokenwireServer) -> AsyncIterator[pb_grpc.InferenceServic
 
 
 @pytest.fixture
-def gate() -> StepGate:
-    return StepGate()
-
-
-@pytest.fixture
 async def one_slot(start_server: ServerFactory, gate: StepGate) -> AsyncIterator[TokenwireServer]:
     server = await start_server(wrap_model=gated(gate), max_batch_size=1)
     yield server

@@ -11,16 +11,14 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
-from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
 from tests.support.options import greedy
 from tests.support.polling import wait_until
-from tests.support.stepping import StepGate, gated
+from tests.support.stepping import StepGate
 from tokenwire.client import (
     AsyncClient,
     Chunk,
@@ -202,18 +200,6 @@ async def test_n_unset_or_zero_on_the_wire_is_one_completion(server: TokenwireSe
         one = await stub.Generate(request)
     assert len(unset.token_ids) == 5 and not unset.choices
     assert list(one.token_ids) == list(unset.token_ids) and not one.choices
-
-
-@pytest.fixture
-def gate() -> StepGate:
-    return StepGate()
-
-
-@pytest.fixture
-async def gated_server(start_server: ServerFactory, gate: StepGate) -> AsyncIterator[TokenwireServer]:
-    server = await start_server(wrap_model=gated(gate))
-    yield server
-    gate.open()
 
 
 async def test_cancelling_the_request_id_ends_all_n_as_cancelled(

@@ -8,14 +8,12 @@ and replays the documented arithmetic on them.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import AsyncIterator
 
 import grpc
 import pytest
 
-from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
-from tests.support.stepping import StepGate, gated
+from tests.support.stepping import StepGate
 from tokenwire.client import AsyncClient, Completed, GenerateOptions, Sampling, Stopping, TokenwireError
 from tokenwire.server.app import TokenwireServer
 
@@ -120,18 +118,6 @@ async def test_a_bad_bias_or_penalty_is_invalid_argument_naming_its_field(
     assert raised.value.code is grpc.StatusCode.INVALID_ARGUMENT
     assert [v.field for v in raised.value.field_violations] == fields
     assert all(v.description for v in raised.value.field_violations)
-
-
-@pytest.fixture
-def gate() -> StepGate:
-    return StepGate()
-
-
-@pytest.fixture
-async def gated_server(start_server: ServerFactory, gate: StepGate) -> AsyncIterator[TokenwireServer]:
-    server = await start_server(wrap_model=gated(gate))
-    yield server
-    gate.open()
 
 
 async def test_a_seeded_request_gets_the_same_tokens_alone_and_in_a_batch_with_other_controls(

@@ -6,13 +6,11 @@ import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
-import pytest
 
-from tests.conftest import ServerFactory
 from tests.support.events import Transcript, read_until
 from tests.support.options import greedy
 from tests.support.polling import wait_until
-from tests.support.stepping import StepGate, gated
+from tests.support.stepping import StepGate
 from tokenwire.client import (
     AsyncClient,
     Chunk,
@@ -27,18 +25,6 @@ from tokenwire.client import (
     TokenwireError,
 )
 from tokenwire.server.app import TokenwireServer
-
-
-@pytest.fixture
-def gate() -> StepGate:
-    return StepGate()
-
-
-@pytest.fixture
-async def gated_server(start_server: ServerFactory, gate: StepGate) -> AsyncIterator[TokenwireServer]:
-    server = await start_server(wrap_model=gated(gate))
-    yield server
-    gate.open()
 
 
 async def test_events_of_one_generation_arrive_in_order(client: AsyncClient) -> None:
