@@ -16,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from tests.conftest import ServerFactory
+from tests.support.stepping import steady
 from tokenwire.client.bench import (
     BenchConfig,
     BenchReport,
@@ -89,7 +90,11 @@ def assert_consistent(level: LevelSummary, report: BenchReport, index: int) -> N
         assert (record.error is None) == (record.outcome == "ok")
 
 
-async def test_streaming_sweep_accounts_for_every_request(server: TokenwireServer) -> None:
+async def test_streaming_sweep_accounts_for_every_request(start_server: ServerFactory) -> None:
+    # Decode steps of 20 ms, so each stream's tokens leave in several chunks and the sweep has
+    # gaps between them to report (the tiny model's own steps can finish before the server has
+    # written a stream's first chunk, and its tokens then go out as one).
+    server = await start_server(wrap_model=steady(0.02))
     report = await run_bench(small_sweep(server.port))
 
     expected_levels = [LoadLevel("concurrency", 1), LoadLevel("concurrency", 2)]

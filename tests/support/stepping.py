@@ -9,6 +9,7 @@ races against the clock.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -76,5 +77,37 @@ def gated(gate: StepGate):  # type: ignore[no-untyped-def]
 
     def wrap(model: LoadedModel) -> LoadedModel:
         return replace(model, runner=GatedRunner(model.runner, gate))
+
+    return wrap
+
+
+class SteadyRunner(DelegatingRunner):
+    """Delegates to a real runner; each decode step takes at least `step_seconds`, as a larger
+    model's would.
+
+    For tests that measure what happens between a stream's tokens: the tiny model's step takes a
+    fraction of a millisecond, faster than the server's event loop writes a chunk, so a stream's
+    tokens can pile up and go out coalesced into one chunk (by design: a reader that falls behind
+    gets fewer, larger chunks), leaving no gap between chunks to measure.
+    """
+
+    def __init__(self, inner: ModelRunner, step_seconds: float) -> None:
+        super().__init__(inner)
+        self._step_seconds = step_seconds
+
+    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+        began = time.monotonic()
+        logits = self.inner.decode(seq_ids, token_ids)
+        left = self._step_seconds - (time.monotonic() - began)
+        if left > 0:
+            time.sleep(left)
+        return logits
+
+
+def steady(step_seconds: float):  # type: ignore[no-untyped-def]
+    """A `wrap_model` hook for TokenwireServer whose decode steps take at least `step_seconds`."""
+
+    def wrap(model: LoadedModel) -> LoadedModel:
+        return replace(model, runner=SteadyRunner(model.runner, step_seconds))
 
     return wrap
