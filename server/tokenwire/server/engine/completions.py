@@ -114,15 +114,12 @@ def merged_timing(timings: list[TimingReport], tokens: list[int]) -> TimingRepor
     rate = 0.0
     per_token = [t.time_per_output_token for t in timings if t.time_per_output_token is not None]
     if ttft is not None:
-        last = (
-            max(
-                t.time_to_first_token + (count - 1) * (t.time_per_output_token or 0.0)
-                for t, count in zip(timings, tokens, strict=True)
-                if t.time_to_first_token is not None and count > 0
-            )
-            if any(count > 0 for count in tokens)
-            else ttft
-        )
+        last_tokens = [
+            t.time_to_first_token + (count - 1) * (t.time_per_output_token or 0.0)
+            for t, count in zip(timings, tokens, strict=True)
+            if t.time_to_first_token is not None and count > 0
+        ]
+        last = max(last_tokens, default=ttft)
         decoded = sum(max(0, count - 1) for count in tokens)
         if decoded and last > ttft:
             rate = decoded / (last - ttft)

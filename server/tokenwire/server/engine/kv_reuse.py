@@ -221,10 +221,6 @@ class KvReuse:
         if not kept.waiting:
             del self._kept[source]
 
-    @property
-    def kept_prompts(self) -> int:
-        return len(self._kept)
-
     # -- ending ----------------------------------------------------------------------------------
 
     def release(self, key: int) -> None:

@@ -281,10 +281,8 @@ class Scheduler:
         """Take a request out of the queue or its slot; the core finishes it."""
         if request.status in QUEUED:
             self._waiting.remove(request)
-        elif request.status is RequestStatus.PREFILLING:
-            self._prefilling.remove(request)
         else:
-            self._decoding.pop(request.key, None)
+            self._leave_slot(request)
         request.status = RequestStatus.FINISHED
 
     def _admit(self, now: float) -> tuple[Preemption | None, tuple[int, ...], list[Ending]]:
@@ -490,12 +488,12 @@ class Scheduler:
         if outcome.decode_seconds is not None:
             self._pacer.observe_decode(outcome.decode_seconds)
 
-    def _leave_slot(self, victim: Request) -> None:
-        """A preempted request leaves its slot, prompt mid-way or decoding."""
-        if victim.status is RequestStatus.PREFILLING:
-            self._prefilling.remove(victim)
+    def _leave_slot(self, request: Request) -> None:
+        """A request leaves its slot (it ended, or was preempted), prompt mid-way or decoding."""
+        if request.status is RequestStatus.PREFILLING:
+            self._prefilling.remove(request)
         else:
-            del self._decoding[victim.key]
+            self._decoding.pop(request.key, None)
 
     def _resume(self, request: Request) -> None:
         """A swapped-out request back in a slot, where it was: its prompt's remaining chunks
