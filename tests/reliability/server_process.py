@@ -3,8 +3,15 @@
 Memory and file-descriptor figures only mean something for a process that runs nothing but the
 server, so load and soak runs start one of these. The child serves on a free port on 127.0.0.1,
 prints one JSON line with its port, then answers each `stats` line on its stdin with one JSON line
-(engine counters, live and queued requests, health phase). When its stdin closes (the parent
-exits or calls `close()`), it drains and stops, so it never outlives the run that started it.
+(engine counters, live and queued requests, health phase, the prefix cache's size). When its
+stdin closes (the parent exits or calls `close()`), it drains and stops, so it never outlives the
+run that started it.
+
+The prefix cache is memory the server holds on purpose: with the default bound (256 MiB) it
+would grow through a whole run, and its growth would read as drift. So the child runs with a
+small bound (PREFIX_CACHE_MB) that a load fills in its first seconds: from then on the cache
+evicts as it caches, RSS drift measures only what the server should not have kept, and the
+eviction path runs under load too. Its size is in every `stats` answer.
 
 Run as `python -m tests.reliability.server_process --model DIR [--max-batch-size N ...]`.
 """
@@ -31,6 +38,7 @@ from tokenwire.server.engine.config import EngineConfig
 
 STARTUP_TIMEOUT = 60.0
 REPLY_TIMEOUT = 30.0
+PREFIX_CACHE_MB = 4
 
 
 @dataclass(frozen=True)
@@ -48,6 +56,9 @@ class ServerStats:
     max_abort_latency_steps: int
     orphaned_steps: int
     step_failures: int
+    prefix_cache_bytes: int
+    prefix_cache_capacity_bytes: int
+    prefix_cache_evicted_blocks: int
 
 
 def read_rss_bytes(pid: int) -> int:
@@ -85,6 +96,7 @@ class ServerProcess:
         *,
         max_batch_size: int = 4,
         max_queue_size: int = 8,
+        prefix_cache_mb: int = PREFIX_CACHE_MB,
     ) -> ServerProcess:
         command = [
             sys.executable,
@@ -96,6 +108,8 @@ class ServerProcess:
             str(max_batch_size),
             "--max-queue-size",
             str(max_queue_size),
+            "--prefix-cache-mb",
+            str(prefix_cache_mb),
         ]
         root = Path(__file__).resolve().parents[2]
         env = {
@@ -203,11 +217,15 @@ def _stats_of(server: TokenwireServer) -> dict[str, Any]:
     engine = server.registry.default.engine
     counters = dataclasses.asdict(engine.stats)
     wanted = {f.name for f in dataclasses.fields(ServerStats)}
+    cache = engine.prefix_cache_stats
     return {
         "live": engine.live_count,
         "queued": engine.queue_depth,
         "phase": server.lifecycle.phase.value,
         **{name: value for name, value in counters.items() if name in wanted},
+        "prefix_cache_bytes": 0 if cache is None else cache.bytes,
+        "prefix_cache_capacity_bytes": 0 if cache is None else cache.capacity_bytes,
+        "prefix_cache_evicted_blocks": 0 if cache is None else cache.evicted_blocks,
     }
 
 
@@ -241,12 +259,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, required=True)
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument("--max-queue-size", type=int, default=8)
+    parser.add_argument("--prefix-cache-mb", type=int, default=PREFIX_CACHE_MB)
     args = parser.parse_args(argv)
     settings = ServerSettings(
         models=(ModelSource(args.model, "tiny"),),
         host="127.0.0.1",
         port=0,
-        engine=EngineConfig(max_batch_size=args.max_batch_size, max_queue_size=args.max_queue_size),
+        engine=EngineConfig(
+            max_batch_size=args.max_batch_size,
+            max_queue_size=args.max_queue_size,
+            prefix_cache_mb=args.prefix_cache_mb,
+        ),
         device="cpu",
         intra_op_threads=1,
         drain_timeout=5.0,

@@ -10,7 +10,9 @@ random points, until the duration has passed. Every `--sample-every` seconds it 
 server's RSS and open file descriptors. At the end it waits for the server to settle and reports
 generations by outcome, hung streams, p50/p99 time to first token (server-measured, completed
 generations), RSS and descriptors over time, memory drift (RSS at the end minus RSS after the
-warm-up) and the engine's counters (orphaned decode steps, worst abort latency in steps).
+warm-up) and the engine's counters (orphaned decode steps, worst abort latency in steps). The
+server's prefix cache has a small bound that the load fills early (see server_process.py), so
+the drift is not the cache filling; the cache must stay within that bound.
 Exit status 0 when every guarantee held, 1 otherwise. tests/reliability/test_soak.py runs a short
 version in CI.
 """
@@ -91,6 +93,10 @@ class SoakReport:
             found.append(f"server did not settle: {self.engine}")
         if self.engine.get("phase") != "serving":
             found.append(f"server phase {self.engine.get('phase')} after the soak")
+        cached = int(self.engine.get("prefix_cache_bytes", 0))
+        capacity = int(self.engine.get("prefix_cache_capacity_bytes", 0))
+        if cached > capacity:
+            found.append(f"the prefix cache held {cached} bytes, over its {capacity}")
         if self.rss_drift_mib > self.rss_drift_limit_mib:
             found.append(f"RSS grew {self.rss_drift_mib:.1f} MiB (limit {self.rss_drift_limit_mib} MiB)")
         if self.fds_final > self.fds_baseline + 2:

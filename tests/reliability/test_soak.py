@@ -26,6 +26,8 @@ async def soak(model_dir: Path, tmp_path: Path, layout: str, seconds: float) -> 
     assert not report.failures(), report.render()
     assert report.hung == 0
     assert report.engine["orphaned_steps"] == 0
+    # The prefix cache filled and evicted under the load, so the drift above was measured past it.
+    assert int(report.engine["prefix_cache_evicted_blocks"]) > 0, report.render()
     assert report.generations_by_outcome[Outcome.CANCELLED.value] > 0, report.render()
     assert report.generations_by_outcome[Outcome.REJECTED.value] > 0, report.render()
     assert len(report.samples) >= 3
