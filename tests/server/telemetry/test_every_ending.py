@@ -1,10 +1,10 @@
 """Every request writes exactly one access-log line and one span, however it ends.
 
 Each test ends requests one way on a real server (finished; cancelled unary call; StreamGenerate
-call cancelled; `cancel` message; client process killed; deadline; drain refusal; refusals), then
-stops the server, so that anything still owed is written, and counts the lines and root spans
-per request: none or two fail the test. Decode steps are held by a step gate where a request must
-still be generating when its call ends.
+call cancelled; `cancel` message; client process killed; deadline; drain refusal; refusals;
+output left unread), then stops the server, so that anything still owed is written, and counts
+the lines and root spans per request: none or two fail the test. Decode steps are held by a step
+gate where a request must still be generating when its call ends.
 """
 
 from __future__ import annotations
@@ -26,12 +26,15 @@ from tests.conftest import tiny_settings
 from tests.reliability.stream_client import ClientProcess
 from tests.support.options import greedy
 from tests.support.polling import wait_until
+from tests.support.prometheus import scrape
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
 from tokenwire.client import AsyncClient, Chunk, Completed, Failed, TokenwireError
+from tokenwire.server.api.stream_limits import MIB, StreamLimits
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.telemetry.access_log import ACCESS_LOGGER
 from tokenwire.server.telemetry.logs import JsonFormatter
+from tokenwire.server.telemetry.settings import TelemetrySettings
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
@@ -298,3 +301,94 @@ async def test_refused_requests_write_one_line_each(
     assert (over_call_limit["outcome"], over_call_limit["reason"]) == ("rejected", "STREAM_QUEUE_LIMIT")
     unnamed = records.lines_of("")
     assert len(unnamed) == 1 and unnamed[0]["outcome"] == "invalid"
+
+
+def endless_stream_request(request_id: str) -> pb.GenerateRequest:
+    """A generation with plenty of output per token (20 alternatives each), far past any test's
+    steps."""
+    return pb.GenerateRequest(
+        request_id=request_id,
+        prompt="Write forever",
+        stopping=pb.StoppingCriteria(max_new_tokens=240, ignore_eos=True),
+        logprobs=True,
+        top_logprobs=20,
+    )
+
+
+def unread_channel(port: int) -> grpc.aio.Channel:
+    # Without BDP probing and with a small lookahead, the client's receive window stays small, so
+    # output it does not read stays in the server, as on a real network.
+    return grpc.aio.insecure_channel(
+        f"127.0.0.1:{port}", options=[("grpc.http2.bdp_probe", 0), ("grpc.http2.lookahead_bytes", 1024)]
+    )
+
+
+async def test_generations_stopped_for_output_left_unread_write_one_stopped_line_each(
+    tiny_model_dir: Path, records: Records, gate: StepGate
+) -> None:
+    telemetry = TelemetrySettings(metrics_port=0, metrics_cache_seconds=0)
+    # The byte bound is far away: only the unread-output timeout stops these generations.
+    limits = StreamLimits(unread_output_timeout=0.2, max_unsent_bytes_per_stream=64 * MIB)
+    async with recorded_server(tiny_model_dir, records, gate, stream=limits, telemetry=telemetry) as (
+        server,
+        _,
+    ):
+        engine = server.registry.default.engine
+        async with unread_channel(server.port) as channel:
+            call = pb_grpc.InferenceServiceStub(channel).StreamGenerate()
+            for name in ("unread-0", "unread-1"):
+                await call.write(pb.StreamGenerateRequest(generate=endless_stream_request(name)))
+            gate.allow(150)
+            await wait_until(lambda: engine.stats.abort_requests == 2, timeout=30, what="both to be stopped")
+            gate.open()
+            await wait_until(lambda: engine.live_count == 0, what="the stopped generations to leave")
+            call.cancel()
+        assert server.metrics_port
+        metrics = await scrape(server.metrics_port)
+
+    for request_id in ("unread-0", "unread-1"):
+        line = records.one(request_id)
+        assert (line["outcome"], line["code"], line["reason"]) == (
+            "stopped",
+            "RESOURCE_EXHAUSTED",
+            "STREAM_OUTPUT_UNREAD",
+        ), line
+        assert 0 < int(str(line["completion_tokens"])) < 240
+    # The engine counts them as they are recorded: stopped, not cancelled.
+    by_outcome: dict[str, float] = {}
+    for (name, labels), value in metrics.samples.items():
+        if name == "tokenwire_server_requests_total":
+            outcome = dict(labels)["outcome"]
+            by_outcome[outcome] = by_outcome.get(outcome, 0.0) + value
+    assert by_outcome.get("stopped") == 2 and not by_outcome.get("cancelled"), by_outcome
+
+
+@pytest.mark.parametrize("method", ["StreamGenerate", "GenerateStream"])
+async def test_a_generation_stopped_for_its_call_s_backlog_writes_one_stopped_line(
+    tiny_model_dir: Path, records: Records, method: str
+) -> None:
+    limits = StreamLimits(max_unsent_bytes_per_stream=2048, unread_output_timeout=0)
+    async with recorded_server(tiny_model_dir, records, stream=limits, max_batch_size=1) as (server, _):
+        engine = server.registry.default.engine
+        async with unread_channel(server.port) as channel:
+            stub = pb_grpc.InferenceServiceStub(channel)
+            request = endless_stream_request("backlogged")
+            if method == "StreamGenerate":
+                call: grpc.aio.StreamStreamCall | grpc.aio.UnaryStreamCall = stub.StreamGenerate(
+                    iter([pb.StreamGenerateRequest(generate=request)])
+                )
+            else:
+                call = stub.GenerateStream(request)
+            assert (await call.read()).HasField("queued")  # type: ignore[attr-defined]
+            assert await engine.wait_idle(60)
+
+            async def read_to_the_end() -> None:
+                while await call.read() is not grpc.aio.EOF:  # type: ignore[attr-defined]
+                    pass
+
+            with pytest.raises(grpc.aio.AioRpcError) as raised:
+                await read_to_the_end()
+        assert raised.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    line = records.one("backlogged")
+    assert (line["method"], line["outcome"], line["reason"]) == (method, "stopped", "STREAM_BACKLOG"), line

@@ -120,5 +120,5 @@ class GenerationStream:
         )
         log.warning("generation stopped: its client left more than %d bytes of responses unread", limit)
         if self._admitted is not None:
-            self._admitted.stop(AbortReason.DISCONNECTED)
+            self._admitted.stop(AbortReason.BACKLOG)
         self._outbox.discard()

@@ -272,7 +272,7 @@ class StreamSession:
             len(stopped),
             self._caps.unread_timeout,
         )
-        self._abort_all()
+        self._abort_all(AbortReason.OUTPUT_UNREAD)
         error = self._unread_error()
         for request_id in stopped:
             self._send(_error_event(request_id, error))
@@ -290,14 +290,14 @@ class StreamSession:
         )
         log.warning("stream stopped: its client left more than %d bytes of responses unread", limit)
         self._stop_watching_unread()
-        self._abort_all()
+        self._abort_all(AbortReason.BACKLOG)
         self._outbox.discard()
         if self._reader is not None:
             self._reader.cancel()
 
-    def _abort_all(self) -> None:
+    def _abort_all(self, reason: AbortReason = AbortReason.DISCONNECTED) -> None:
         for live in self._live.values():
-            live.stop(AbortReason.DISCONNECTED)
+            live.stop(reason)
         self._live.clear()
         self._started.clear()
         self._completions.clear()

@@ -21,7 +21,7 @@ class EngineObserver(Protocol):
         timing: TimingReport,
         caller: str = "anonymous",
     ) -> None:
-        """A request left the engine: ok, cancelled, deadline, unavailable or error."""
+        """A request left the engine: ok, cancelled, deadline, stopped, unavailable or error."""
 
     def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
         """One batched decode step ran."""

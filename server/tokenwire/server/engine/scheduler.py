@@ -46,7 +46,7 @@ from tokenwire.server.engine.pacing import PrefillPacer
 from tokenwire.server.engine.plan import Abort, Ending, Preemption, PromptWork, RoundOutcome, RoundPlan
 from tokenwire.server.engine.request import QUEUED, Request, RequestStatus, RequestTable
 from tokenwire.server.engine.shares import fair_share, held_per_share
-from tokenwire.server.engine.types import AbortReason, Caller, FinishReason, Priority
+from tokenwire.server.engine.types import AbortReason, Caller, FinishReason, Priority, unread_output_error
 
 if TYPE_CHECKING:  # opaque here: the scheduler only waits for a format to compile
     from tokenwire.server.sampling.constraint import CompiledFormat
@@ -546,6 +546,9 @@ def _abort_ending(reason: AbortReason, *, started: bool) -> FinishReason | Gener
         return FinishReason.CANCELLED
     if reason is AbortReason.DEADLINE:
         return _deadline_error("during generation" if started else "in the queue")
+    unread = unread_output_error(reason)
+    if unread is not None:
+        return unread
     return GenerationError(
         ErrorKind.UNAVAILABLE, "server shut down before the request finished; retry", reason="SHUTDOWN"
     )

@@ -25,6 +25,8 @@ class Outcome(Enum):
     DEADLINE = "deadline"
     UNAVAILABLE = "unavailable"
     ERROR = "error"
+    STOPPED = "stopped"
+    """Stopped by the server because its client left the output unread past a bound."""
     REJECTED = "rejected"
     """Refused at admission: the queue was full or the server was not taking work."""
     INVALID = "invalid"
@@ -49,6 +51,7 @@ class Outcome(Enum):
 _FAILURE_OUTCOMES = {
     ErrorKind.DEADLINE_EXCEEDED: Outcome.DEADLINE,
     ErrorKind.UNAVAILABLE: Outcome.UNAVAILABLE,
+    ErrorKind.RESOURCE_EXHAUSTED: Outcome.STOPPED,
 }
 _REFUSAL_OUTCOMES = {
     ErrorKind.INVALID_ARGUMENT: Outcome.INVALID,
@@ -72,6 +75,25 @@ class AbortReason(Enum):
     """The request's deadline passed: it fails with DEADLINE_EXCEEDED."""
     SHUTDOWN = "shutdown"
     """The server is stopping and could not finish it: it fails with UNAVAILABLE."""
+    OUTPUT_UNREAD = "output_unread"
+    """Its call's output waited unread past the unread-output timeout: it fails with
+    RESOURCE_EXHAUSTED (reason STREAM_OUTPUT_UNREAD). The call has told its client already, so,
+    as for DISCONNECTED, the call hears nothing more; the ending is on record as `stopped`."""
+    BACKLOG = "backlog"
+    """Its call's unread output passed the call's byte bound: as OUTPUT_UNREAD, reason STREAM_BACKLOG."""
+
+
+_UNREAD_REASONS = {AbortReason.OUTPUT_UNREAD: "STREAM_OUTPUT_UNREAD", AbortReason.BACKLOG: "STREAM_BACKLOG"}
+
+
+def unread_output_error(reason: AbortReason) -> GenerationError | None:
+    """The failure a request stopped for its unread output ends with; None for other reasons."""
+    code = _UNREAD_REASONS.get(reason)
+    if code is None:
+        return None
+    return GenerationError(
+        ErrorKind.RESOURCE_EXHAUSTED, "stopped: its call left the output unread", reason=code
+    )
 
 
 class Priority(Enum):

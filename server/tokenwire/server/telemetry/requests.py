@@ -9,9 +9,9 @@ A request ends in exactly one of three ways, and each is one method of its recor
 - `observe` takes the final engine event (completed, cancelled, deadline, failed), which carries
   the outcome and the engine's timing;
 - `refused`: admission refused it (invalid, queue full, draining, ...);
-- `left`: its call went away (cancelled, disconnected, past its deadline) where no final event
-  will reach this record: before the engine had the request, or from a generation that other
-  calls still listen to.
+- `left`: its call went away (cancelled, disconnected, past its deadline) or stopped listening
+  (its client left the output unread) where no final event will reach this record: before the
+  engine had the request, or from a generation that other calls still listen to.
 The first of them writes the record; any later one is ignored, so no request is written twice.
 Everything here runs on the event loop. Until its end a record keeps two numbers per request
 (when it started, how many tokens it heard of), so that a call that left is recorded with what
@@ -34,6 +34,7 @@ from tokenwire.server.engine.types import (
     Outcome,
     Started,
     TokensGenerated,
+    unread_output_error,
 )
 from tokenwire.server.engine.validation import RequestSpec
 from tokenwire.server.metadata import Metadata
@@ -257,9 +258,11 @@ _LEFT_ENDINGS: dict[AbortReason, tuple[Outcome, GenerationError | None]] = {
             ErrorKind.UNAVAILABLE, "the server shut down before the request ended", reason="SHUTDOWN"
         ),
     ),
+    AbortReason.OUTPUT_UNREAD: (Outcome.STOPPED, unread_output_error(AbortReason.OUTPUT_UNREAD)),
+    AbortReason.BACKLOG: (Outcome.STOPPED, unread_output_error(AbortReason.BACKLOG)),
 }
-"""A call that went away is recorded as the engine records the same abort: cancelled (a result),
-or failed with the reason's error."""
+"""A call that went away, or stopped listening, is recorded as the engine records the same
+abort: cancelled (a result), or failed with the reason's error."""
 
 
 def _stages(event: Completed | Failed) -> Stages:

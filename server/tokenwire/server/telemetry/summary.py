@@ -45,7 +45,7 @@ class RequestSummary:
     model: str
     """The served model's name, or "" when the request never resolved to one."""
     outcome: Outcome
-    """ok, cancelled, deadline, rejected, invalid, unauthenticated, unavailable or error."""
+    """ok, cancelled, deadline, stopped, rejected, invalid, unauthenticated, unavailable or error."""
     stages: Stages
     parameters: RequestParameters | None = None
     finish_reason: str | None = None
