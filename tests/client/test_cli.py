@@ -249,3 +249,49 @@ def test_serve_rejects_bad_settings_with_the_flag_named(tmp_path: Path) -> None:
     )
     assert result.returncode == 2
     assert "--max-batch-size" in result.stderr and "--model" in result.stderr
+
+
+async def test_generate_prints_each_of_n_completions_after_a_line_naming_it(
+    server: TokenwireServer, capsys: pytest.CaptureFixture[str]
+) -> None:
+    common = (
+        "--server",
+        f"127.0.0.1:{server.port}",
+        "--raw",
+        "--temperature",
+        "1",
+        "--seed",
+        "7",
+        "--max-new-tokens",
+        "6",
+        "--ignore-eos",
+        "--n",
+        "3",
+        "Once upon a time",
+    )
+    code, unary, _ = await run_cli(capsys, "generate", *common)
+    assert code == 0
+    async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
+        expected = await client.generate(
+            "Once upon a time",
+            GenerateOptions(
+                sampling=Sampling(temperature=1.0, seed=7),
+                stopping=Stopping(max_new_tokens=6, ignore_eos=True),
+                n=3,
+            ),
+        )
+    assert len(expected.choices) == 3
+    assert unary == "".join(
+        f"--- completion {c.index}, finish length ---\n{c.text}\n" for c in expected.choices
+    )
+
+    code, streamed, err = await run_cli(capsys, "generate", "--stream", *common)
+    assert code == 0
+    # Each run of one completion's text follows [i]; put together, each is the unary text.
+    runs = re.split(r"(?:^|\n)\[(\d+)\] ", streamed.removesuffix("\n"))
+    assert runs[0] == ""
+    texts = dict.fromkeys(range(3), "")
+    for index, text in zip(runs[1::2], runs[2::2], strict=True):
+        texts[int(index)] += text
+    assert texts == {c.index: c.text for c in expected.choices}
+    assert re.search(r"for 18 tokens, finish 0: length, 1: length, 2: length", err)

@@ -81,6 +81,14 @@ def add_commands(commands: argparse._SubParsersAction[argparse.ArgumentParser]) 
         default=0.0,
         help="in [-2, 2]; subtracted from each generated token once per time it was generated (default 0)",
     )
+    generate.add_argument(
+        "--n",
+        type=int,
+        default=1,
+        help="completions of the prompt, 1 to 16, prefilled once (with --seed, completion i samples"
+        " with seed + i); each is printed after a line naming it, streamed ones after [i] where"
+        " they take turns",
+    )
     generate.add_argument("--max-new-tokens", type=int, help="default: the server's default")
     generate.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     generate.add_argument("--ignore-eos", action="store_true", help="keep going past end-of-sequence")
@@ -146,6 +154,7 @@ def _options(args: argparse.Namespace) -> GenerateOptions:
         ),
         timeout=args.timeout,
         response_format=_response_format(args),
+        n=args.n,
     )
 
 
@@ -188,18 +197,28 @@ def run_generate(args: argparse.Namespace, out: TextIO | None = None) -> int:
             sent = time.monotonic()
             if not args.stream:
                 generation = client.generate(prompt, options)
-                out.write(generation.text + "\n")
+                if generation.choices:
+                    for choice in generation.choices:
+                        out.write(f"--- completion {choice.index}, finish {choice.finish_reason.value} ---\n")
+                        out.write(choice.text + "\n")
+                else:
+                    out.write(generation.text + "\n")
                 if timeline:
                     _print_timeline(generation, None, time.monotonic() - sent, sys.stderr)
                 return 0
             first_text_at: float | None = None
             queue_position = 0
+            writing: int | None = None  # the completion whose text was written last
             for event in client.stream(prompt, options):
                 if isinstance(event, Queued):
                     queue_position = event.position
                 elif isinstance(event, Chunk):
                     if first_text_at is None:
                         first_text_at = time.monotonic() - sent
+                    if args.n > 1 and event.index != writing:
+                        # Completions take turns: each run of one's text starts a line naming it.
+                        out.write(("" if writing is None else "\n") + f"[{event.index}] ")
+                        writing = event.index
                     out.write(event.text)
                     out.flush()
                 elif isinstance(event, Failed):
@@ -262,10 +281,16 @@ def _print_timeline(
         f"first token {_ms(t.time_to_first_token)} after receipt ({_prefill_text(generation)})",
         f"decoding    {t.decode_tokens_per_second:.1f} tokens/s ({_ms(t.time_per_output_token)} per token)",
         f"total       {_ms(t.total)} for {generation.completion_tokens} tokens, "
-        f"finish {generation.finish_reason.value}",
+        f"finish {_finishes(generation)}",
         f"client saw  first text after {_ms(client_first_token)}, all after {_ms(client_total)}",
     ]
     out.write("\n".join(lines) + "\n")
+
+
+def _finishes(generation: Generation) -> str:
+    if not generation.choices:
+        return generation.finish_reason.value
+    return ", ".join(f"{choice.index}: {choice.finish_reason.value}" for choice in generation.choices)
 
 
 def run_models(args: argparse.Namespace, out: TextIO | None = None) -> int:
