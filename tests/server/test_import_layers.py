@@ -10,6 +10,7 @@ CLI, settings) and `model_tools` sit outside the layers but may not close a cycl
 from __future__ import annotations
 
 import ast
+import gc
 from collections import defaultdict
 from pathlib import Path
 
@@ -82,12 +83,30 @@ def _imports(tree: ast.AST) -> list[str]:
     return found
 
 
+def _parse(path: Path) -> ast.Module:
+    """`ast.parse` with the cyclic collector paused.
+
+    Python 3.11's AST builder keeps its recursion depth in interpreter-wide state, and a collection
+    during a parse can run a finalizer that parses too (an asyncio task's "exception was never
+    retrieved" message, whose traceback formatting parses source lines): the outer parse then fails
+    with "SystemError: AST constructor recursion depth mismatch". Other tests' garbage must not
+    decide this one.
+    """
+    source = path.read_text(encoding="utf-8")
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return ast.parse(source, filename=str(path))
+    finally:
+        if collecting:
+            gc.enable()
+
+
 def _graph() -> dict[str, set[str]]:
     """Module -> the server modules (and outside modules) it imports at run time."""
     graph: dict[str, set[str]] = {}
     for path in sorted(ROOT.rglob("*.py")):
-        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
-        graph[_module_name(path)] = set(_imports(tree))
+        graph[_module_name(path)] = set(_imports(_parse(path)))
     return graph
 
 

@@ -156,7 +156,9 @@ async def test_the_named_callers_own_queue_limit_applies_to_requests_the_gateway
             stub = pb_grpc.InferenceServiceStub(channel)
             as_reports = metadata(GATEWAY_TOKEN, **fairness("reports"))
             running = asyncio.ensure_future(stub.Generate(request(), metadata=as_reports))
-            await wait_until(lambda: engine.live_count == 1, what="the first request to take the slot")
+            # In the slot, not only submitted: until a round admits it, it counts as reports'
+            # one queued request and the second would be refused.
+            await wait_until(lambda: gate.waiting == 1, what="the first request to take the slot")
             queued = asyncio.ensure_future(stub.Generate(request(), metadata=as_reports))
             await wait_until(lambda: engine.live_count == 2, what="the second request to queue")
             # reports may have one request queued (max_queued=1); the gateway itself has no limit.
@@ -189,7 +191,9 @@ async def test_an_objective_named_after_a_priority_orders_the_queue_like_the_pri
                 return bool(engine.live_count == count)
 
             calls = [asyncio.ensure_future(send("blocker"))]
-            await wait_until(lambda: engine.live_count == 1, what="the blocker to take the slot")
+            # Its decode step held at the gate: it is in the slot, not waiting to be ordered
+            # with the others by priority.
+            await wait_until(lambda: gate.waiting == 1, what="the blocker to take the slot")
             # Queued in this order; served by priority, then arrival.
             for name, headers in (
                 ("batch", objective("batch")),
