@@ -28,8 +28,10 @@ async def test_waiting_request_pays_in_ttft_not_in_token_rate(
     start_server: ServerFactory, wider_model_dir: Path
 ) -> None:
     server = await start_server(model_dir=wider_model_dir, max_batch_size=1)
+    # Long enough (about 0.2 s of decoding here) that the first request's own wait, the engine
+    # thread waking for it on a busy machine, stays far below a fifth of the second's.
     options = GenerateOptions(
-        sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=120, ignore_eos=True)
+        sampling=Sampling(temperature=0.0), stopping=Stopping(max_new_tokens=400, ignore_eos=True)
     )
     async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
         await client.generate("warm up", options)
