@@ -30,7 +30,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from tests.reliability.server_process import ServerProcess
+from tests.reliability.server_process import PREFIX_CACHE_MB, ServerProcess
 from tests.reliability.workload import GenerationOutcome, Outcome, build_mix, endless_mix, run_load
 from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
 from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
@@ -158,6 +158,7 @@ async def run_soak(
     cancel_fraction: float = 0.1,
     max_batch_size: int = 4,
     max_queue_size: int = 8,
+    prefix_cache_mb: int = PREFIX_CACHE_MB,
     seed: int = 11,
     rss_drift_limit_mib: float = DEFAULT_RSS_DRIFT_LIMIT_MIB,
     progress: bool = False,
@@ -171,6 +172,7 @@ async def run_soak(
         work_dir / "soak-server.log",
         max_batch_size=max_batch_size,
         max_queue_size=max_queue_size,
+        prefix_cache_mb=prefix_cache_mb,
     )
     try:
         await run_load(process.target, build_mix(80, seed=seed + 1), concurrency=concurrency)
@@ -253,6 +255,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--max-batch-size", type=int, default=4)
     parser.add_argument("--max-queue-size", type=int, default=8)
+    parser.add_argument(
+        "--prefix-cache-mb",
+        type=int,
+        default=PREFIX_CACHE_MB,
+        help=f"the server's prefix cache bound (default {PREFIX_CACHE_MB}; 0 turns it off)",
+    )
     parser.add_argument("--seed", type=int, default=11)
     parser.add_argument("--rss-drift-limit-mib", type=float, default=DEFAULT_RSS_DRIFT_LIMIT_MIB)
     parser.add_argument("--json", type=Path, help="also write the report here as JSON")
@@ -269,6 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             cancel_fraction=args.cancel_fraction,
             max_batch_size=args.max_batch_size,
             max_queue_size=args.max_queue_size,
+            prefix_cache_mb=args.prefix_cache_mb,
             seed=args.seed,
             rss_drift_limit_mib=args.rss_drift_limit_mib,
             progress=True,
