@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from tokenwire.server.engine.shares import fair_share
+from tokenwire.server.engine.shares import fair_share, held_per_share
 from tokenwire.server.engine.types import Caller, Priority
 
 
@@ -118,7 +118,7 @@ class FairQueue(Generic[E]):
         name = entry.caller.name
         pass_ = level.passes[name]
         level.virtual_time = max(level.virtual_time, pass_)
-        level.passes[name] = pass_ + entry.work / max(entry.caller.weight, 1e-6)
+        level.passes[name] = pass_ + held_per_share(entry.work, entry.caller.weight)
         self._discard(level, name, entry)
 
     def remove(self, entry: E) -> None:
