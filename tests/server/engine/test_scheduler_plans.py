@@ -16,7 +16,7 @@ import pytest
 
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.pacing import MIN_PACED_CHUNK
-from tokenwire.server.engine.plan import Abort, Entry, Finished, RoundOutcome, RoundPlan
+from tokenwire.server.engine.plan import Abort, Entry, Finished, RoundOutcome, RoundPlan, Verification
 from tokenwire.server.engine.prefix_cache import PrefixLease
 from tokenwire.server.engine.request import CompletionSet, IllegalTransitionError, Request, RequestStatus
 from tokenwire.server.engine.scheduler import PrefixLookup, Scheduler, SchedulerConfig
@@ -737,3 +737,71 @@ def test_finishing_a_completion_keeps_the_ticket_reaching_the_others() -> None:
     s.finish(requests[1])
     s.finish(requests[2])
     assert s.live_keys_of(requests[0].key) == [] and group.ended == {x.key for x in requests}
+
+
+def test_a_row_verifies_drafts_with_a_neighbour_only_as_often_as_a_quarter_of_a_step_pays_for() -> None:
+    s, r = scheduler(slots=4, reserved=0, speculation=SpeculationSettings(tokens=4, max_batch=2))
+    r.add("speculating", new_tokens=200, caller=Caller("a"))
+    r.add("neighbour", new_tokens=200, caller=Caller("b"))
+    s.schedule(NOW)
+    run_as_planned(s)
+    speculating, neighbour = r.by_name["speculating"], r.by_name["neighbour"]
+    neighbour.drafting.paused_for = 10**6  # it never drafts: it only shares the steps
+    s.update(RoundOutcome(decode_seconds=0.020))  # a plain step: 20 ms
+    # A verification of 4 drafts (5 positions) that cost 25 ms more than a plain step.
+    s.schedule(NOW)
+    s.update(
+        RoundOutcome(verified={speculating.key: Verification(drafted=4, accepted=4)}, decode_seconds=0.045)
+    )
+
+    verifying = []
+    for _ in range(20):
+        plan = s.schedule(NOW)
+        [row] = [row for row in plan.decode if row.key == speculating.key]
+        verifying.append(row.max_drafts > 0)
+        verified = {speculating.key: Verification(4, 4)} if row.max_drafts else {}
+        s.update(RoundOutcome(verified=verified, decode_seconds=0.045 if verified else 0.020))
+
+    # 5 ms of credit a step (a quarter of 20 ms) pays for a 25 ms verification every fifth step.
+    assert verifying.count(True) == 4
+    assert verifying == [False, False, False, False, True] * 4
+
+
+def test_a_row_alone_in_its_step_verifies_every_step() -> None:
+    s, r = scheduler(slots=4, reserved=0, speculation=SpeculationSettings(tokens=4, max_batch=2))
+    r.add("alone", new_tokens=200)
+    s.schedule(NOW)
+    run_as_planned(s)
+    alone = r.by_name["alone"]
+    s.update(RoundOutcome(decode_seconds=0.020))
+    for _ in range(5):
+        [row] = s.schedule(NOW).decode
+        assert row.max_drafts == 4
+        s.update(RoundOutcome(verified={alone.key: Verification(4, 4)}, decode_seconds=0.045))
+
+
+def test_drafts_a_verification_rejects_are_charged_to_its_caller_s_turns() -> None:
+    s, r = scheduler(slots=1, reserved=0, speculation=SpeculationSettings(tokens=4, max_batch=2))
+    wasteful, other = Caller("wasteful"), Caller("other")
+    r.add("running", new_tokens=200, caller=wasteful)
+    s.schedule(NOW)
+    run_as_planned(s)
+    r.add("w2", caller=wasteful)
+    r.add("o2", caller=other)
+    r.add("w3", caller=wasteful)
+    r.add("o3", caller=other)
+    running = r.by_name["running"]
+    for _ in range(10):  # every draft rejected: 40 tokens of work no turn paid for
+        s.schedule(NOW, admit=False)
+        s.update(RoundOutcome(verified={running.key: Verification(4, 0)}, decode_seconds=0.02))
+    s.finish(running)
+
+    order = []
+    for _ in range(4):
+        plan = s.schedule(NOW)
+        order.extend(r.admitted(plan))
+        for name in r.admitted(plan):
+            s.finish(r.by_name[name])
+    # 40 tokens put wasteful's turn behind other's two requests of 24; without the charge the
+    # turns would alternate from wasteful's w2: w2, o2, w3, o3.
+    assert order == ["o2", "o3", "w2", "w3"]

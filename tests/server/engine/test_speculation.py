@@ -53,6 +53,8 @@ class Bench:
         max_batch: int = 2,
         follows: dict[int, int] | None = None,
         eos: frozenset[int] = frozenset(),
+        run_call_seconds: float = 0.0,
+        run_position_seconds: float = 0.0,
     ) -> None:
         self.clock = ManualClock()
         self.runner = FollowingRunner(
@@ -62,6 +64,8 @@ class Bench:
             eos_token_ids=eos,
             clock=self.clock,
             step_seconds=0.01,
+            run_call_seconds=run_call_seconds,
+            run_position_seconds=run_position_seconds,
         )
         config = EngineConfig(
             max_batch_size=4,
@@ -359,3 +363,28 @@ def test_a_cancel_lands_at_the_next_step_boundary_with_every_token_of_the_steps_
     assert list(result.token_ids) == before == bench.streamed("r")
     assert bench.engine.stats.max_abort_latency_steps <= 1
     assert bench.keys["r"] not in bench.runner.kv, "its KV cache is freed at once"
+
+
+def test_a_stream_sharing_steps_with_a_speculating_one_is_slowed_by_at_most_a_quarter() -> None:
+    # A verification is a model call of its own: 10 ms, and 1 ms a position, on top of a 10 ms
+    # step. Unbounded, the attacker's drafts (its prompt repeats what the model says) would make
+    # every step 2.5 times as long for its neighbour.
+    def neighbour_time_per_token(speculative_tokens: int) -> tuple[float, Bench]:
+        bench = Bench(
+            speculative_tokens=speculative_tokens, run_call_seconds=0.01, run_position_seconds=0.001
+        )
+        bench.submit("attacker", [A, B, C, D, E, A, B, C, D, E, A], tokens=120)
+        # The neighbour samples (seeded) from the fake model's nearly flat distribution, so its
+        # own drafts almost never match and it keeps to plain steps.
+        bench.submit("neighbour", [X, X], tokens=60, sampling=SamplingParams(temperature=1.0, seed=7))
+        bench.run()
+        per_token = bench.result("neighbour").timing.time_per_output_token
+        assert per_token is not None
+        return per_token, bench
+
+    plain, off = neighbour_time_per_token(0)
+    shared, on = neighbour_time_per_token(4)
+
+    assert on.result("neighbour").token_ids == off.result("neighbour").token_ids
+    assert on.engine.stats.accepted_draft_tokens > 0, "the attacker still speculates, within its share"
+    assert shared / plain <= 1.25 + 0.05, (shared, plain)

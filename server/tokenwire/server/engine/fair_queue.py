@@ -121,6 +121,14 @@ class FairQueue(Generic[E]):
         level.passes[name] = pass_ + held_per_share(entry.work, entry.caller.weight)
         self._discard(level, name, entry)
 
+    def charge(self, caller: Caller, priority: Priority, work: int) -> None:
+        """Charge `caller`'s pass at `priority` for work done beyond what its requests' turns
+        paid for (drafts a verification rejected), as if a request of that much work had taken a
+        turn. A caller with nothing queued there has no pass: it rejoins at the virtual time."""
+        level = self._levels[priority]
+        if caller.name in level.passes:
+            level.passes[caller.name] += held_per_share(work, caller.weight)
+
     def remove(self, entry: E) -> None:
         level = self._levels[entry.priority]
         queue = level.queues.get(entry.caller.name)

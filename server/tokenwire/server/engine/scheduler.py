@@ -27,7 +27,8 @@ What it decides:
   scheduler): the cached positions are copied in, not prefilled, and cost no budget. A prompt
   whose shared prefix an earlier prompt of the same tenant is prefilling in the same round starts
   in the next one, where it finds those blocks cached.
-- **Drafts**: how many speculative drafts each decode row may verify (speculation.py).
+- **Drafts**: how many speculative drafts each decode row may verify (speculation.py), within
+  what the step's other streams can spare; drafts rejected are charged to their caller's turns.
 - **Endings**: aborts and passed deadlines end requests at the round's start.
 - **Forks** (n completions): the followers of a fork wait until its source's prompt rows are
   kept, then take slots like any request and copy the prompt instead of prefilling it.
@@ -66,7 +67,13 @@ from tokenwire.server.engine.plan import (
 )
 from tokenwire.server.engine.request import QUEUED, Request, RequestStatus, RequestTable
 from tokenwire.server.engine.shares import fair_share, held_per_share
-from tokenwire.server.engine.speculation import OFF, SpeculationSettings, draft_limits, record_verification
+from tokenwire.server.engine.speculation import (
+    OFF,
+    NeighbourBudget,
+    SpeculationSettings,
+    draft_limits,
+    record_verification,
+)
 from tokenwire.server.engine.types import AbortReason, Caller, FinishReason, Priority, unread_output_error
 
 if TYPE_CHECKING:  # opaque here: the scheduler only waits for a format to compile
@@ -122,6 +129,7 @@ class Scheduler:
         self._decoding: dict[int, Request] = {}
         """In slots, decoding, in the order they began to."""
         self._pacer = PrefillPacer(max_step_seconds=config.max_step_seconds)
+        self._neighbours = NeighbourBudget(config.speculation)
         self._service_seconds = 1.0
         """Moving average of start-to-finish times, for retry hints."""
         self._planned: RoundPlan | None = None
@@ -291,11 +299,15 @@ class Scheduler:
         prompts, completing = self._prompt_work()
         forked = [self._requests[a.key] for a in admitted if a.entry is Entry.FORKED]
         rows = [*decoding, *completing, *forked]
-        limits = draft_limits(
-            self._config.speculation,
+        limits = self._neighbours.limit(
             rows,
-            [False] * len(decoding) + [True] * (len(completing) + len(forked)),
-            context_length=self._config.context_length,
+            draft_limits(
+                self._config.speculation,
+                rows,
+                [False] * len(decoding) + [True] * (len(completing) + len(forked)),
+                context_length=self._config.context_length,
+            ),
+            plain_step=self._pacer.decode_seconds,
         )
         named = {ending.key: ending.request for ending in endings}
         named.update((r.key, r) for r in (*self._prefilling, *self._decoding.values()))
@@ -590,7 +602,21 @@ class Scheduler:
         for tokens, seconds in outcome.prompt_chunks:
             self._pacer.observe_prefill(tokens, seconds)
         if outcome.decode_seconds is not None:
-            self._pacer.observe_decode(outcome.decode_seconds)
+            self._observe_step(plan, outcome, outcome.decode_seconds)
+
+    def _observe_step(self, plan: RoundPlan | None, outcome: RoundOutcome, seconds: float) -> None:
+        """A plain step teaches the pacer a decode step's cost; one that verified drafts teaches
+        what verifying costs, and spends what it took from its neighbours."""
+        if not outcome.verified:
+            self._pacer.observe_decode(seconds)
+            return
+        rows = len(plan.decode) if plan is not None else 0
+        self._neighbours.observe(
+            step_seconds=seconds,
+            plain_step=self._pacer.decode_seconds,
+            positions=sum(v.drafted + 1 for v in outcome.verified.values()),
+            shared=rows > len(outcome.verified),
+        )
 
     def _count_progress(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
         def live(key: int) -> Request | None:
@@ -611,6 +637,7 @@ class Scheduler:
             if admission.entry is Entry.FORKED and request is not None:
                 request.computed_tokens = request.prompt_length
                 firsts.append(request)
+        rows_by_key = {row.key: row for row in plan.decode}
         rows = [row for row in plan.decode if row.key in decoding_before]
         preemption = plan.preemption
         if outcome.preemption_failed and preemption is not None and preemption.if_kept is not None:
@@ -619,19 +646,26 @@ class Scheduler:
             request = live(row.key)
             if request is None:
                 continue
-            verified = outcome.verified.get(row.key)
-            request.computed_tokens += 1 + (verified.accepted if verified is not None else 0)
-            if verified is not None:
-                record_verification(request.drafting, drafted=verified.drafted, accepted=verified.accepted)
+            self._count_step(request, row, outcome)
         for request in firsts:
             self._prefilling.remove(request)
             request.transition(RequestStatus.DECODING)
             self._decoding[request.key] = request
-            verified = outcome.verified.get(request.key)
             # Its first token came before the step; the step gave it one more, or a run.
-            request.computed_tokens += 1 + (verified.accepted if verified is not None else 0)
-            if verified is not None:
-                record_verification(request.drafting, drafted=verified.drafted, accepted=verified.accepted)
+            self._count_step(request, rows_by_key[request.key], outcome)
+
+    def _count_step(self, request: Request, row: DecodeRow, outcome: RoundOutcome) -> None:
+        """A row the decode step gave a token, or a run: one position, and each draft kept."""
+        verified = outcome.verified.get(request.key)
+        if verified is None:
+            request.computed_tokens += 1
+            if row.max_drafts:
+                request.drafting.verifying = False  # it could have drafted and found nothing
+            return
+        request.drafting.verifying = True
+        request.computed_tokens += 1 + verified.accepted
+        record_verification(request.drafting, drafted=verified.drafted, accepted=verified.accepted)
+        self._waiting.charge(request.caller, request.priority, verified.drafted - verified.accepted)
 
     def _leave_slot(self, request: Request) -> None:
         """A request leaves its slot (it ended, or was preempted), prompt mid-way or decoding."""

@@ -21,7 +21,14 @@ When a row does not draft:
   verification every few hundred steps instead of every few;
 - no room is left: a step gains at most drafts + 1 tokens, which must not pass max_new_tokens
   or the context (the KV cache holds the context, so this also keeps the run inside the row's
-  KV room).
+  KV room);
+- other streams share the step and the verification would cost them more than their share
+  (`NeighbourBudget`): a verification is a model call of its own on top of the step, so a
+  request whose drafts keep matching (a self-repeating prompt) would otherwise make every stream
+  it shares steps with pay for its speed. Verified positions are charged as work: what
+  verifications add to steps shared with streams that do not verify is held to
+  `NEIGHBOUR_SHARE` of a plain step on average, and the drafts a request rejects count against
+  its caller's fair share like any other work.
 
 Plain data and arithmetic: the scheduler calls it, so it imports no array library or runner.
 """
@@ -45,6 +52,9 @@ PAUSE_STEPS = 16
 """Decode steps a request goes without drafting after its drafts kept failing."""
 MAX_PAUSE_STEPS = 512
 """The longest pause, after failing again and again."""
+NEIGHBOUR_SHARE = 0.25
+"""What verifying drafts may add, on average, to the decode steps that streams which do not
+verify share with them, as a part of a plain step's time."""
 MIN_NGRAM = 2
 """The fewest trailing tokens a draft's match must cover: a single repeated token is weak
 evidence of what follows (a common word, a bracket), and such drafts are mostly rejected."""
@@ -75,6 +85,8 @@ class DraftHistory:
     """Decode steps left before it drafts again."""
     failures: int = 0
     """Pauses in a row: each one after the first doubles."""
+    verifying: bool = False
+    """Its latest step that let it draft found drafts to verify: it is likely to again."""
 
 
 def draft_limits(
@@ -128,3 +140,68 @@ def record_verification(history: DraftHistory, *, drafted: int, accepted: int) -
         history.recent.clear()
         history.failures = 1
         history.paused_for = PAUSE_STEPS
+
+
+class NeighbourBudget:
+    """Keeps what verifying drafts adds to the steps of streams that do not verify within
+    `NEIGHBOUR_SHARE` of a plain step, on average.
+
+    Every step with such a neighbour earns `NEIGHBOUR_SHARE` of a plain step's time in credit,
+    up to one verification's cost (so a quiet spell buys no burst); a verification runs when the
+    credit covers its estimated cost, and what the step then took beyond a plain step is spent.
+    The cost of a verified position (its share of the verification's own model call) is learned
+    from the steps that verified. A step whose every row may verify has no neighbour to spare.
+    """
+
+    def __init__(self, settings: SpeculationSettings) -> None:
+        self._settings = settings
+        self._credit = 0.0
+        self._position_seconds: float | None = None
+        """Seconds a verified position adds to a step, its call's overhead shared out."""
+
+    @property
+    def position_seconds(self) -> float | None:
+        return self._position_seconds
+
+    def limit(
+        self, rows: Sequence[Request], limits: Sequence[int], *, plain_step: float | None
+    ) -> tuple[int, ...]:
+        """`limits` (the draft counts of a step's rows) with the verifications the credit cannot
+        pay for taken out (0). A row that is not verifying (it may not draft, or found nothing to
+        draft when it last could) is a neighbour and keeps its count; with no neighbour, every
+        row keeps its count."""
+        verifying = [
+            bool(limit) and request.drafting.verifying for request, limit in zip(rows, limits, strict=True)
+        ]
+        if all(verifying) or not any(verifying):
+            return tuple(limits)
+        per_position = self._position_seconds
+        if plain_step is None or per_position is None:
+            # Learn first: a plain step's cost, then what one verification adds to it.
+            learn = plain_step is not None
+            return tuple(limit if learn or not v else 0 for limit, v in zip(limits, verifying, strict=True))
+        earned = NEIGHBOUR_SHARE * plain_step
+        most = max(per_position * (self._settings.tokens + 1), earned)  # one verification's worth
+        self._credit = min(self._credit + earned, most)
+        allowed = []
+        reserved = 0.0
+        for limit, v in zip(limits, verifying, strict=True):
+            cost = per_position * (limit + 1)
+            if v and reserved + cost > self._credit:
+                allowed.append(0)
+                continue
+            reserved += cost if v else 0.0
+            allowed.append(limit)
+        return tuple(allowed)
+
+    def observe(self, *, step_seconds: float, plain_step: float | None, positions: int, shared: bool) -> None:
+        """A step verified `positions` positions (drafts + 1 per verifying row) in `step_seconds`;
+        `shared`: rows that did not verify were in it, so its cost is spent from the credit."""
+        if positions <= 0 or plain_step is None:
+            return
+        extra = max(0.0, step_seconds - plain_step)
+        per_position = extra / positions
+        previous = self._position_seconds
+        self._position_seconds = per_position if previous is None else 0.7 * previous + 0.3 * per_position
+        if shared:
+            self._credit = max(0.0, self._credit - extra)
