@@ -89,7 +89,7 @@ class KvReuse:
             if swapping:
                 self.notes.append(
                     f"preemption for {name}: a swapped-out generation's rows wait in host memory, "
-                    f"at most {slots} at once (up to {most / 2**20:.0f} MiB), copied back into a slot "
+                    f"at most {slots} at once (up to {most / 2**20:.1f} MiB), copied back into a slot "
                     f"of the KV cache ({cache_at}) when it resumes"
                 )
             self.notes.append(
