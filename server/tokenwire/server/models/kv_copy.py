@@ -12,8 +12,8 @@ buffers bound once, for the whole life of the cache:
 
 - read: a Slice of one slot's positions [start, stop) from each buffer, each tensor's output bound
   at its offset in one host array [tensors, kv_heads, n, head_dim], the rows' host copy;
-- write: host rows [tensors, kv_heads, n, head_dim] split per tensor and scattered (ScatterND)
-  into a slot's first n positions;
+- write: host rows [tensors, kv_heads, n, head_dim], each tensor's part bound at its offset,
+  scattered (ScatterND) into a slot's first n positions;
 - move: a slot's first n positions sliced from each buffer and scattered into another slot.
 
 The writes bind each buffer as both the ScatterND's data input and its output. ScatterND copies
@@ -119,7 +119,7 @@ class KvCopyGraphs:
         base = int(rows.ctypes.data)
         for tensor in range(geometry.tensors):
             binding.bind_output(
-                _sliced(tensor), "cpu", 0, geometry.dtype, shape, base + tensor * tensor_bytes
+                _rows(tensor), "cpu", 0, geometry.dtype, shape, base + tensor * tensor_bytes
             )
         run_bound(self._read, binding)
         return rows
@@ -133,10 +133,15 @@ class KvCopyGraphs:
         count = int(rows.shape[2])
         if count == 0:
             return
+        rows = np.ascontiguousarray(rows, dtype=geometry.dtype)
         binding = self._write_binding
-        binding.bind_cpu_input("rows", np.ascontiguousarray(rows, dtype=geometry.dtype))
+        tensor_bytes = geometry.kv_heads * count * geometry.head_dim * geometry.dtype.itemsize
+        shape = [1, geometry.kv_heads, count, geometry.head_dim]
+        base = int(rows.ctypes.data)
+        for tensor in range(geometry.tensors):
+            binding.bind_input(_rows(tensor), "cpu", 0, geometry.dtype, shape, base + tensor * tensor_bytes)
         binding.bind_cpu_input("indices", self._indices(slot, count))
-        run_bound(self._write, binding)
+        run_bound(self._write, binding)  # `rows` is referenced until here: the binding holds pointers
 
     def move(self, source: int, target: int, count: int) -> None:
         """Positions [0, count) of slot `source` into the same positions of slot `target`."""
@@ -162,7 +167,7 @@ def _updated(tensor: int) -> str:
     return f"kv{tensor}_updated"
 
 
-def _sliced(tensor: int) -> str:
+def _rows(tensor: int) -> str:
     return f"rows{tensor}"
 
 
@@ -176,22 +181,19 @@ class _Graphs:
 
     def read(self) -> bytes:
         nodes = [
-            helper.make_node("Slice", [_buffer(t), "starts", "ends", "axes"], [_sliced(t)])
+            helper.make_node("Slice", [_buffer(t), "starts", "ends", "axes"], [_rows(t)])
             for t in self._tensors
         ]
-        outputs = [self._rows_value(_sliced(t), leading=1) for t in self._tensors]
+        outputs = [self._rows_value(_rows(t)) for t in self._tensors]
         return self._model("kv_read", nodes, [*self._buffers(), *self._bounds()], outputs, [self._axes()])
 
     def write(self) -> bytes:
-        pieces = [f"piece{t}" for t in self._tensors]
         nodes = [
-            helper.make_node("Split", ["rows"], pieces, axis=0, num_outputs=self._geometry.tensors),
-            *(
-                helper.make_node("ScatterND", [_buffer(t), "indices", pieces[t]], [_updated(t)])
-                for t in self._tensors
-            ),
+            helper.make_node("ScatterND", [_buffer(t), "indices", _rows(t)], [_updated(t)])
+            for t in self._tensors
         ]
-        inputs = [*self._buffers(), self._rows_value("rows", leading=self._geometry.tensors), self._indices()]
+        rows = [self._rows_value(_rows(t)) for t in self._tensors]
+        inputs = [*self._buffers(), *rows, self._indices()]
         return self._model("kv_write", nodes, inputs, self._updated_buffers(), [])
 
     def move(self) -> bytes:
@@ -216,10 +218,10 @@ class _Graphs:
         shape = list(self._geometry.shape)
         return [helper.make_tensor_value_info(_updated(t), self._element, shape) for t in self._tensors]
 
-    def _rows_value(self, name: str, *, leading: int) -> ValueInfoProto:
+    def _rows_value(self, name: str) -> ValueInfoProto:
         geometry = self._geometry
         return helper.make_tensor_value_info(
-            name, self._element, [leading, geometry.kv_heads, "positions", geometry.head_dim]
+            name, self._element, [1, geometry.kv_heads, "positions", geometry.head_dim]
         )
 
     def _bounds(self) -> list[ValueInfoProto]:

@@ -83,14 +83,15 @@ def create_session(model_path: Path, settings: SessionSettings) -> ort.Inference
 
 def companion_session(model: bytes, beside: ort.InferenceSession) -> ort.InferenceSession:
     """A session for a small helper graph (`model`, serialized) on exactly the execution
-    providers, provider options and thread count of `beside`, so it runs on the same device.
+    providers and provider options of `beside`, so it runs on the same device.
 
     Graph optimizations are off: a helper graph is a few nodes whose inputs and outputs are bound
-    to memory the caller owns, and it must run as written."""
-    used = beside.get_session_options()
+    to memory the caller owns, and it must run as written. It runs on the calling thread alone
+    (one intra-op thread): a pool of its own would only compete with the model's threads for the
+    cores, for copies that memory bandwidth, not arithmetic, bounds."""
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-    options.intra_op_num_threads = used.intra_op_num_threads
+    options.intra_op_num_threads = 1
     options.inter_op_num_threads = 1
     options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
     providers = beside.get_providers()

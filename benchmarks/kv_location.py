@@ -1,0 +1,200 @@
+"""The KV cache's two locations on the CPU, side by side in one run: `--kv-cache-location host`
+(NumPy memory, rows moved by NumPy) against `device` (ONNX Runtime memory from the CPU provider's
+allocator, rows moved by ONNX Runtime's copy graphs: the code a GPU runs).
+
+Four servers of the default model (8 slots, 2 intra-op threads): each location with the prefix
+cache (256 MiB, the default) and each with `--prefix-cache-mb 0` (the cold side of the prefix
+workload). Workloads, with `tokenwire bench`:
+
+- one stream: 100-token prompts, 128 new tokens, one client, 4 requests;
+- 8 streams: 100-token prompts, 128 new tokens, 8 clients for 20 s (slots free and refill, so
+  the cache compacts: rows move slot to slot);
+- prefix cache: every prompt the same 1,000 tokens and a 20-token question, 16 new tokens, one
+  client, 6 requests: warm on the servers with the cache (the warm-up request fills it: every
+  block copied out, every measured request's prefix copied into its slot), cold without.
+
+Each repetition runs every workload on every server it concerns, the order of the sides
+alternating, after waiting for a quiet machine. The figures are medians; the ratios are device
+over host, measured in the same repetitions.
+
+    python benchmarks/kv_location.py [--repetitions 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import benchkit
+
+from tokenwire.client.bench import BenchConfig, LengthDistribution, LoadLevel, RequestRecord, run_bench
+from tokenwire.client.bench.stats import percentile
+
+LOCATIONS = ("host", "device")
+
+
+@dataclass(frozen=True)
+class Workload:
+    name: str
+    level: LoadLevel
+    prompt: int
+    new_tokens: int
+    shared_prefix: int = 0
+    requests: int | None = None
+    duration: float | None = None
+    cold_too: bool = False
+    """Also run on the servers without the prefix cache."""
+
+
+def run_once(target: str, workload: Workload, seed: int) -> tuple[list[RequestRecord], float]:
+    config = BenchConfig(
+        target=target,
+        levels=(workload.level,),
+        prompt_tokens=LengthDistribution(workload.prompt, workload.prompt),
+        max_new_tokens=LengthDistribution(workload.new_tokens, workload.new_tokens),
+        requests=workload.requests,
+        duration=workload.duration,
+        warmup=1,
+        seed=seed,
+        shared_prefix_tokens=workload.shared_prefix,
+    )
+    report = asyncio.run(run_bench(config))
+    return list(report.records[0]), report.levels[0].output_tokens_per_second
+
+
+def summarize(runs: list[tuple[list[RequestRecord], float]]) -> dict[str, float]:
+    ok = [r for records, _ in runs for r in records if r.outcome == "ok"]
+    ttft = [r.first_token for r in ok if r.first_token is not None]
+    per_token = [r.server_time_per_output_token for r in ok if r.server_time_per_output_token]
+    prompt_tokens = sum(r.prompt_tokens for r in ok)
+    return {
+        "requests": len(ok),
+        "failed": sum(1 for records, _ in runs for r in records) - len(ok),
+        "tok_per_s": statistics.median([rate for _, rate in runs]) if runs else float("nan"),
+        "ttft_p50": percentile(ttft, 50) if ttft else float("nan"),
+        "tpot_p50": percentile(per_token, 50) if per_token else float("nan"),
+        "cached_share": sum(r.cached_prompt_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
+    }
+
+
+def resident_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    return float("nan")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--repetitions", type=int, default=3)
+    parser.add_argument("--duration", type=float, default=20.0, help="seconds of the 8-stream workload")
+    args = parser.parse_args()
+
+    directory = benchkit.model_dir()
+    workloads = [
+        Workload("one stream", LoadLevel("concurrency", 1), 100, 128, requests=4),
+        Workload("8 streams", LoadLevel("concurrency", 8), 100, 128, duration=args.duration),
+        Workload(
+            "prefix cache", LoadLevel("concurrency", 1), 20, 16, shared_prefix=1000, requests=6, cold_too=True
+        ),
+    ]
+    sides = {
+        **{where: ("--kv-cache-location", where) for where in LOCATIONS},
+        **{
+            f"{where}, cache off": ("--kv-cache-location", where, "--prefix-cache-mb", "0")
+            for where in LOCATIONS
+        },
+    }
+    runs: dict[tuple[str, str], list[tuple[list[RequestRecord], float]]] = {
+        (w.name, s): [] for w in workloads for s in sides
+    }
+    servers: dict[str, benchkit.ServerProcess] = {}
+    startup: dict[str, str] = {}
+    resident: dict[str, float] = {}
+    try:
+        for side, extra in sides.items():
+            server = benchkit.ServerProcess(directory, max_batch_size=8, extra=("--no-metrics", *extra))
+            servers[side] = server.__enter__()
+        for repetition in range(args.repetitions):
+            for workload in workloads:
+                order = [s for s in sides if workload.cold_too or "cache off" not in s]
+                if repetition % 2:
+                    order.reverse()
+                for side in order:
+                    benchkit.wait_for_quiet()
+                    print(f"rep {repetition + 1}: {workload.name} on {side}", flush=True)
+                    # A fresh seed per repetition: no repetition finds what an earlier one cached.
+                    seed = 11 + 1000 * repetition
+                    runs[(workload.name, side)].append(run_once(servers[side].target, workload, seed))
+        for side, server in servers.items():
+            startup[side] = server.kv_cache_line()
+            resident[side] = resident_mib(server.pid)
+    finally:
+        for server in servers.values():
+            server.__exit__()
+
+    data: dict[str, Any] = {"kv_cache_line": startup, "resident_mib_at_end": resident}
+    rows: list[list[object]] = []
+    for workload in workloads:
+        for side in sides:
+            if not runs[(workload.name, side)]:
+                continue
+            figures = summarize(runs[(workload.name, side)])
+            data.setdefault(workload.name, {})[side] = figures
+            rows.append(
+                [
+                    workload.name,
+                    side,
+                    figures["requests"],
+                    f"{100 * figures['cached_share']:.0f}%",
+                    figures["tok_per_s"],
+                    figures["ttft_p50"] * 1000,
+                    figures["tpot_p50"] * 1000,
+                ]
+            )
+    columns = [
+        "workload",
+        "KV cache",
+        "requests",
+        "prompt cached",
+        "output tok/s",
+        "TTFT p50 ms",
+        "TPOT p50 ms",
+    ]
+    print(f"\n## KV cache location on the CPU: {args.repetitions} repetitions\n")
+    for side in LOCATIONS:
+        rss = resident.get(side, float("nan"))
+        print(f"- {side}: `{startup.get(side, '')}`; resident at the end {rss:.0f} MiB")
+    print()
+    print(benchkit.markdown_table(columns, rows))
+    print("\n### Device over host\n")
+    ratios: dict[str, float] = {}
+    for workload in workloads:
+        figures = data.get(workload.name, {})
+        if "host" not in figures or "device" not in figures:
+            continue
+        host, device = figures["host"], figures["device"]
+        if workload.name == "prefix cache":
+            ratios["prefix cache warm TTFT"] = device["ttft_p50"] / host["ttft_p50"]
+        else:
+            ratios[f"{workload.name} tok/s"] = device["tok_per_s"] / host["tok_per_s"]
+    prefix = data.get("prefix cache", {})
+    for where in LOCATIONS:
+        cold = prefix.get(f"{where}, cache off")
+        if cold and where in prefix:
+            ratios[f"{where}: warm TTFT over cold"] = prefix[where]["ttft_p50"] / cold["ttft_p50"]
+    for name, ratio in ratios.items():
+        print(f"- {name}: {ratio:.3f}")
+    data["ratios"] = ratios
+    out = benchkit.save_results("kv_location", data)
+    print(f"\nresults: {out.relative_to(benchkit.REPO)}")
+
+
+if __name__ == "__main__":
+    main()
