@@ -15,7 +15,7 @@ from tests.support.templates import with_template
 
 TEMPLATES = {
     "tower of powers": ("{{ 9 ** (9 ** 9) }}", "more than 10000 bits"),
-    "printf width": ("{{ '%0300000000d' | format(1) }}", "longer than 4000000 characters"),
+    "printf width": ("{{ '%0300000000d' | format(1) }}", "longer than 262144 characters"),
     "spinning": (
         "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}",
         "time budget",

@@ -71,10 +71,16 @@ class RawReply:
         return Reply(self.status or 0, self.head, self.body).error()
 
 
-def exchange(port: int, chunks: Iterable[bytes], *, read_timeout: float = 10.0) -> RawReply:
+def exchange(
+    port: int, chunks: Iterable[bytes], *, read_timeout: float = 10.0, send_buffer: int | None = None
+) -> RawReply:
     """Send `chunks` until the server answers (or stops taking bytes), then read until it ends
-    the connection or `read_timeout` passes without a byte."""
-    sock = socket.create_connection(("127.0.0.1", port))
+    the connection or `read_timeout` passes without a byte. `send_buffer` bounds the socket's
+    buffer, so the client cannot run far ahead of what the server reads."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if send_buffer is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer)
+    sock.connect(("127.0.0.1", port))
     received = bytearray()
     sent = 0
     closed = False

@@ -9,8 +9,8 @@ parsing work is done on bytes past a bound and before the app (and authenticatio
 - the head (request line and headers) may hold `head_bytes`: bytes are fed to the parser at most
   one past the bound at a time, so a head that passes it is refused at once with 431;
 - at most `headers` headers (431) and a URL of at most `url_bytes` (414);
-- chunk framing and trailers together at most `head_bytes` beyond the body's own bytes (413);
-  trailers never join the request's headers;
+- chunk framing and trailers together at most `head_bytes` beyond the body's own bytes, and at
+  most `headers` trailers (413); trailers never join the request's headers;
 - the head must be whole within `header_timeout` seconds of its first byte (of the connection,
   for its first request): 408;
 - at most `max_connections` connections, or open requests, at once: 503.
@@ -204,9 +204,21 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             raise _RefusedError
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._reading_head:
-            return  # a trailer: counted with the framing, never one of the request's headers
+        # Headers and trailers are counted alike (each costs a callback); a trailer is never one
+        # of the request's headers, and its bytes count with the framing.
         self._header_count += 1
+        if not self._reading_head:
+            if self._header_count > self.limits.headers:
+                self._refuse(
+                    _invalid(
+                        413,
+                        "TRAILERS_TOO_LARGE",
+                        f"more than {self.limits.headers} trailers (--http-max-headers)",
+                    ),
+                    path=self._path(),
+                )
+                raise _RefusedError
+            return
         if self._header_count > self.limits.headers:
             self._refuse(
                 _invalid(
@@ -220,7 +232,7 @@ class BoundedHttpProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._reading_head = False
         self._disarm_head_deadline()
-        self._body_phase_bytes = self._payload_bytes = 0
+        self._body_phase_bytes = self._payload_bytes = self._header_count = 0
         limit = self.limits.max_connections
         if len(self.connections) > limit or len(self.tasks) >= limit:
             error = GenerationError(

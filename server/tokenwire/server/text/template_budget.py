@@ -8,8 +8,10 @@ compiles, so such a template can stall the server before its first request. Here
 
 - nothing is folded at compile time (the optimizer is off, and no output is made constant), so
   every expression runs at render time, through the checks below;
-- each rendering has a budget of characters it may build (RenderBudget.chars_left) and of CPU
-  time (the rendering thread's own, so a busy machine does not fail a quiet template);
+- each rendering has a budget of characters it may build (RenderBudget.chars_left: 262,144, or
+  16 per character of its input where that is more) and of CPU time (20 ms plus 20 us per input
+  character, at most 1 s; the rendering thread's own time, so a busy machine does not fail a
+  quiet template);
 - every operation that can make something larger than its operands is sized before it runs:
   `*`, `+`, `%` (printf widths and precisions included, `*` widths from the arguments), `**`
   and `*` on integers (their bits), `~`, every filter (with `center`, `indent`, `wordwrap`,
@@ -44,15 +46,18 @@ from jinja2.utils import Namespace, _PassArg
 
 DEFAULT_RENDER_SECONDS = 1.0
 """Most CPU seconds a rendering may take, however large its input."""
-BASE_RENDER_SECONDS = 0.05
-"""CPU seconds any rendering may take: 25 times what a small conversation takes..."""
+BASE_RENDER_SECONDS = 0.02
+"""CPU seconds any rendering may take: 20 times what a small conversation takes..."""
 RENDER_SECONDS_PER_INPUT_CHARACTER = 20e-6
 """...and this much more per character (weight) of its input."""
 DEFAULT_MAX_OUTPUT_CHARS = 4_000_000
-"""Longest prompt text a rendering may write, and the least text it may build."""
+"""Longest prompt text a rendering may write."""
+BASE_BUILD_CHARS = 1 << 18
+"""Text any rendering may build (262,144 characters: a small conversation's template builds a few
+thousand)..."""
 BUILD_CHARS_PER_INPUT_CHARACTER = 16
-"""Text a rendering may build per character of its input (copies of the messages the template
-makes as it joins them), where that is more than DEFAULT_MAX_OUTPUT_CHARS."""
+"""...or per character of its input, where that is more (the copies of the messages a template
+makes as it joins them)."""
 MAX_INT_BITS = 10_000
 """Largest integer a template may make (about 3,000 digits; Python prints at most 4,300)."""
 CONTAINER_ITEM = 4
@@ -113,7 +118,7 @@ class RenderBudget:
         size = unbounded.weight(dict(context))
         return cls(
             cpu_seconds=min(max_seconds, BASE_RENDER_SECONDS + RENDER_SECONDS_PER_INPUT_CHARACTER * size),
-            max_chars=max(max_output_chars, BUILD_CHARS_PER_INPUT_CHARACTER * size),
+            max_chars=max(BASE_BUILD_CHARS, BUILD_CHARS_PER_INPUT_CHARACTER * size),
             max_output_chars=max_output_chars,
         )
 
