@@ -58,6 +58,7 @@ thousand)..."""
 BUILD_CHARS_PER_INPUT_CHARACTER = 16
 """...or per character of its input, where that is more (the copies of the messages a template
 makes as it joins them)."""
+CHECKS_PER_CLOCK_READ = 32
 MAX_INT_BITS = 10_000
 """Largest integer a template may make (about 3,000 digits; Python prints at most 4,300)."""
 CONTAINER_ITEM = 4
@@ -104,6 +105,7 @@ class RenderBudget:
 
     def __init__(self, *, cpu_seconds: float, max_chars: int, max_output_chars: int) -> None:
         self.deadline = time.thread_time() + cpu_seconds
+        self._checks = 0
         self.max_chars = max_chars
         self.chars_left = max_chars
         self.max_output_chars = max_output_chars
@@ -123,7 +125,10 @@ class RenderBudget:
         )
 
     def check(self) -> None:
-        if time.thread_time() > self.deadline:
+        # Reading a thread's CPU clock is a system call: read it every CHECKS_PER_CLOCK_READ
+        # checks (each operation between two reads is itself bounded in size).
+        self._checks += 1
+        if self._checks % CHECKS_PER_CLOCK_READ == 0 and time.thread_time() > self.deadline:
             raise ChatTemplateLimitError("the chat template ran past its time budget for these messages")
 
     def refuse(self) -> ChatTemplateLimitError:
