@@ -102,6 +102,16 @@ class Observer:
         self._timeline.rounds.append((time.monotonic(), running, queued))
 
 
+async def watch_loop(lag: list[tuple[float, float]], stopping: asyncio.Event) -> None:
+    """Wake every LOOP_TICK; record (when, how late) each wake-up more than 5 ms late."""
+    while not stopping.is_set():
+        asked = time.monotonic()
+        await asyncio.sleep(LOOP_TICK)
+        late = time.monotonic() - asked - LOOP_TICK
+        if late > 0.005:
+            lag.append((time.monotonic(), late))
+
+
 async def serve(model: Path, slots: int, out: Path) -> None:
     from tokenwire.server.app import TokenwireServer
     from tokenwire.server.config import ModelSource, ServerSettings
@@ -125,15 +135,7 @@ async def serve(model: Path, slots: int, out: Path) -> None:
     loop = asyncio.get_running_loop()
     stopping = asyncio.Event()
 
-    async def watch_loop() -> None:
-        while not stopping.is_set():
-            asked = time.monotonic()
-            await asyncio.sleep(LOOP_TICK)
-            late = time.monotonic() - asked - LOOP_TICK
-            if late > 0.005:
-                timeline.loop_lag.append((time.monotonic(), late))
-
-    watcher = asyncio.create_task(watch_loop())
+    watcher = asyncio.create_task(watch_loop(timeline.loop_lag, stopping))
     print(json.dumps({"port": server.port}), flush=True)
     await loop.run_in_executor(None, sys.stdin.read)  # until the parent closes our stdin
     stopping.set()
@@ -155,35 +157,39 @@ async def serve(model: Path, slots: int, out: Path) -> None:
 # -- the parent: the workload, the machine, the matching ----------------------------------------------
 
 
-def machine_busy_seconds() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine so far."""
+def machine_cpu_seconds() -> tuple[float, float]:
+    """(busy, stolen) CPU seconds of the whole machine so far: busy is user, nice, system, irq
+    and softirq time (guest time is inside user); stolen is time the hypervisor gave our virtual
+    CPUs' turn to something else."""
     values = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    idle = values[3] + values[4]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = values[:8]
     tick = os.sysconf("SC_CLK_TCK")
-    return (sum(values) - idle) / tick, sum(values) / tick
+    return (user + nice + system + irq + softirq) / tick, steal / tick
 
 
 class MachineSampler:
     """Every SAMPLE_EVERY seconds: the CPU the machine spent, and how much of it was ours."""
 
     def __init__(self, pids: Sequence[int]) -> None:
-        self.samples: list[tuple[float, float, float]] = []
-        """(when, cores busy in all, cores busy in the server and this client)."""
+        self.samples: list[tuple[float, float, float, float]] = []
+        """(when, cores busy in all, cores busy in the server and this client, cores stolen)."""
         self._pids = pids
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
+    def _read(self) -> tuple[float, float, float, float]:
+        busy, stolen = machine_cpu_seconds()
+        return time.monotonic(), busy, sum(benchkit.cpu_seconds(p) for p in self._pids), stolen
+
     def _run(self) -> None:
-        last = time.monotonic(), machine_busy_seconds()[0], sum(benchkit.cpu_seconds(p) for p in self._pids)
+        last = self._read()
         while not self._done.wait(SAMPLE_EVERY):
-            now, busy, ours = (
-                time.monotonic(),
-                machine_busy_seconds()[0],
-                sum(benchkit.cpu_seconds(p) for p in self._pids),
+            now = self._read()
+            span = now[0] - last[0]
+            self.samples.append(
+                (now[0], (now[1] - last[1]) / span, (now[2] - last[2]) / span, (now[3] - last[3]) / span)
             )
-            span = now - last[0]
-            self.samples.append((now, (busy - last[1]) / span, (ours - last[2]) / span))
-            last = now, busy, ours
+            last = now
 
     def __enter__(self) -> MachineSampler:
         self._thread.start()
@@ -207,14 +213,6 @@ async def stream_all(
     end = time.monotonic() + duration
     stopping = asyncio.Event()
 
-    async def watch_loop() -> None:
-        while not stopping.is_set():
-            asked = time.monotonic()
-            await asyncio.sleep(LOOP_TICK)
-            late = time.monotonic() - asked - LOOP_TICK
-            if late > 0.005:
-                lag.append((time.monotonic(), late))
-
     async with AsyncClient(target, retries=False) as client:
 
         async def caller() -> None:
@@ -225,7 +223,7 @@ async def stream_all(
                         times.append(time.monotonic())
                 arrivals.append(times)
 
-        watcher = asyncio.create_task(watch_loop())
+        watcher = asyncio.create_task(watch_loop(lag, stopping))
         await asyncio.gather(*(caller() for _ in range(streams)))
         stopping.set()
         await watcher
@@ -257,7 +255,8 @@ def explain(
     loop = [lag for when, lag in server["loop_lag"] if when - lag < end and when > start]
     mine = [lag for when, lag in client_lag if when - lag < end and when > start]
     near = [s for s in machine.samples if start - SAMPLE_EVERY <= s[0] <= end + SAMPLE_EVERY]
-    others = max((total - ours for _, total, ours in near), default=0.0)
+    others = statistics.mean(max(0.0, total - ours) for _, total, ours, _ in near) if near else 0.0
+    stolen = statistics.mean(steal for *_, steal in near) if near else 0.0
     return {
         "gap_ms": (end - start) * 1000,
         "longest_round_ms": (round_end - round_start) * 1000,
@@ -267,11 +266,62 @@ def explain(
         "gc": [(c[2], c[3], round(c[1] * 1000, 1)) for c in collections],
         "server_loop_late_ms": max(loop, default=0.0) * 1000,
         "client_loop_late_ms": max(mine, default=0.0) * 1000,
-        "other_processes_cores": others,
+        "other_processes_cores": round(others, 2),
+        "stolen_cores": round(stolen, 2),
     }
 
 
-def run(streams: int, duration: float, long_factor: float, directory: Path, scratch: Path) -> dict[str, Any]:
+LOAD_BUCKETS = ((0.0, 0.1), (0.1, 0.5), (0.5, 1.0), (1.0, 99.0))
+"""Cores other processes used, the buckets rounds are sorted into."""
+
+
+def rounds_by_load(server: dict[str, Any], machine: MachineSampler) -> list[dict[str, Any]]:
+    """Rounds sorted by how many cores other processes used while they ran: how long they took,
+    and how much of that the model calls took. A stall the server makes shows in every bucket; one
+    the machine makes, in the loaded ones only."""
+    calls = server["calls"]
+    ends = [r[0] for r in server["rounds"]]
+    samples = machine.samples
+    buckets: dict[tuple[float, float], list[tuple[float, float]]] = {b: [] for b in LOAD_BUCKETS}
+    call_index = 0
+    for begin, finish in itertools.pairwise(ends):
+        model = 0.0
+        while call_index < len(calls) and calls[call_index][0] <= finish:
+            if calls[call_index][0] > begin:
+                model += calls[call_index][1]
+            call_index += 1
+        covering = [
+            max(0.0, total - ours)
+            for when, total, ours, _ in samples
+            if begin <= when <= finish + SAMPLE_EVERY
+        ]
+        if not covering:
+            continue
+        load = statistics.mean(covering)
+        bucket = next(b for b in LOAD_BUCKETS if b[0] <= load < b[1])
+        buckets[bucket].append((finish - begin, model))
+    table = []
+    for (low, high), rounds in buckets.items():
+        if not rounds:
+            continue
+        lengths = sorted(r[0] for r in rounds)
+        table.append(
+            {
+                "other_cores": f"{low:g}-{high:g}" if high < 99 else f">{low:g}",
+                "rounds": len(rounds),
+                "round_p50_ms": statistics.median(lengths) * 1000,
+                "round_p99_ms": lengths[int(0.99 * (len(lengths) - 1))] * 1000,
+                "round_max_ms": lengths[-1] * 1000,
+                "model_share_of_time": sum(r[1] for r in rounds) / sum(r[0] for r in rounds),
+                "rounds_over_500_ms": sum(1 for r in lengths if r > 0.5),
+            }
+        )
+    return table
+
+
+def run(
+    streams: int, duration: float, long_factor: float, directory: Path, scratch: Path, hogs: int
+) -> dict[str, Any]:
     out = scratch / f"server-{streams}.json"
     child = subprocess.Popen(
         [sys.executable, __file__, "--serve", str(directory), str(16), str(out)],
@@ -283,10 +333,17 @@ def run(streams: int, duration: float, long_factor: float, directory: Path, scra
     port = json.loads(child.stdout.readline())["port"]
     prompt = benchkit.prompt_ids(directory, benchkit.PROMPT_TOKENS)
     benchkit.wait_for_quiet()
-    with MachineSampler([child.pid, os.getpid()]) as machine:
-        arrivals, client_lag = asyncio.run(
-            stream_all(f"{benchkit.LOOPBACK}:{port}", streams, duration, prompt)
-        )
+    # Processes that only spin: a controlled share of the machine taken from the server.
+    spinning = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(hogs)]
+    try:
+        with MachineSampler([child.pid, os.getpid()]) as machine:
+            arrivals, client_lag = asyncio.run(
+                stream_all(f"{benchkit.LOOPBACK}:{port}", streams, duration, prompt)
+            )
+    finally:
+        for hog in spinning:
+            hog.kill()
+            hog.wait()
     child.stdin.close()
     child.wait(60)
     server = json.loads(out.read_text())
@@ -298,6 +355,7 @@ def run(streams: int, duration: float, long_factor: float, directory: Path, scra
     rounds = [r[0] for r in server["rounds"]]
     round_lengths = sorted(b - a for a, b in itertools.pairwise(rounds))
     explained = [explain(g, server, client_lag, machine) for g in long_gaps[:20]]
+    by_load = rounds_by_load(server, machine)
     return {
         "streams": streams,
         "gaps": len(lengths),
@@ -313,10 +371,10 @@ def run(streams: int, duration: float, long_factor: float, directory: Path, scra
         "gc_gen2": sum(1 for c in server["collections"] if c[2] == 2),
         "server_loop_late_max_ms": max((lag for _, lag in server["loop_lag"]), default=0.0) * 1000,
         "client_loop_late_max_ms": max((lag for _, lag in client_lag), default=0.0) * 1000,
-        "other_processes_cores_max": max((t - o for _, t, o in machine.samples), default=0.0),
-        "other_processes_cores_mean": statistics.mean(t - o for _, t, o in machine.samples)
-        if machine.samples
-        else 0.0,
+        "other_processes_cores_mean": statistics.mean(max(0.0, t - o) for _, t, o, _ in machine.samples),
+        "stolen_cores_mean": statistics.mean(st for *_, st in machine.samples),
+        "hogs": hogs,
+        "rounds_by_other_load": by_load,
         "long_gaps": len(long_gaps),
         "longest_gaps_explained": explained,
     }
@@ -334,16 +392,31 @@ def main() -> None:
     parser.add_argument("--repetitions", type=int, default=1)
     parser.add_argument("--long-gap-factor", type=float, default=5.0)
     parser.add_argument("--name", default="round_stalls")
+    parser.add_argument(
+        "--hogs", default="0", help="comma-separated counts of spinning processes to run beside each run"
+    )
     args = parser.parse_args()
     directory = benchkit.model_dir()
     scratch = Path(tempfile.mkdtemp(prefix="round-stalls-"))
     results = []
     for repetition in range(args.repetitions):
-        for streams in (int(s) for s in args.streams.split(",")):
-            figures = run(streams, args.duration, args.long_gap_factor, directory, scratch)
+        pairs = [(int(n), int(h)) for n in args.streams.split(",") for h in args.hogs.split(",")]
+        for streams, hogs in pairs:
+            figures = run(streams, args.duration, args.long_gap_factor, directory, scratch, hogs)
             figures["repetition"] = repetition + 1
             results.append(figures)
-            print(json.dumps({k: v for k, v in figures.items() if k != "longest_gaps_explained"}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        k: v
+                        for k, v in figures.items()
+                        if k not in ("longest_gaps_explained", "rounds_by_other_load")
+                    }
+                ),
+                flush=True,
+            )
+            for bucket in figures["rounds_by_other_load"]:
+                print("  by load:", json.dumps(bucket), flush=True)
             for gap in figures["longest_gaps_explained"][:5]:
                 print("   ", json.dumps(gap), flush=True)
     out = benchkit.save_results(args.name, {"machine": benchkit.machine_summary(), "runs": results})

@@ -35,11 +35,11 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
 
+from tests.reliability.measuring_process import MeasuringProcess
 from tests.reliability.server_process import procfs_available, read_rss_bytes
 from tests.server.openai_api.raw_http import exchange, request_now
 from tests.support.templates import ATTACKS, TRAPDOOR, with_template
@@ -123,35 +123,11 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         process.wait()
 
 
-class Victim:
+class Victim(MeasuringProcess):
+    """The victim's process (ttft_client.py): `start` and `stop` open and close its windows."""
+
     def __init__(self, target: str) -> None:
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "tests.reliability.ttft_client", target, VICTIM_TOKEN],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parents[2],
-        )
-        assert json.loads(self._reply()).get("ready"), "the victim never got an answer"
-
-    def _reply(self) -> str:
-        assert self._process.stdout is not None
-        line = self._process.stdout.readline()
-        assert line, f"the victim exited with {self._process.poll()}"
-        return line
-
-    def command(self, name: str) -> dict[str, Any]:
-        assert self._process.stdin is not None
-        self._process.stdin.write(name + "\n")
-        self._process.stdin.flush()
-        reply: dict[str, Any] = json.loads(self._reply())
-        return reply
-
-    def close(self) -> None:
-        if self._process.stdin is not None:
-            self._process.stdin.close()
-        self._process.terminate()
-        self._process.wait(10)
+        super().__init__("tests.reliability.ttft_client", target, VICTIM_TOKEN)
 
 
 @pytest.fixture(scope="module")

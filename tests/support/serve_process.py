@@ -51,3 +51,27 @@ def start_serve(*flags: str, log: Path | None = None) -> ServeProcess:
         if "serving on" in line:
             return ServeProcess(process, int(line.rsplit(":", 1)[1]), metrics_port)
     raise AssertionError(f"server exited with {process.wait()} before serving")
+
+
+def serve_refused(model: Path, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`tokenwire serve --model MODEL` run to its end, for a model it must refuse to load."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.server.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-metrics",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )

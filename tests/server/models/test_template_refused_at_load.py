@@ -5,12 +5,11 @@ compiled, so even `{{ 9 ** (9 ** 9) }}` costs nothing until it is rendered, and 
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.serve_process import serve_refused
 from tests.support.templates import with_template
 
 TEMPLATES = {
@@ -29,26 +28,7 @@ def test_serve_refuses_a_template_over_budget_naming_its_file(
 ) -> None:
     template, reason = TEMPLATES[name]
     model = with_template(tiny_model_dir, tmp_path / "tiny", template)
-    result = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire.server.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--no-metrics",
-            "--device",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = serve_refused(model)
     assert result.returncode != 0
     failures = [line for line in result.stderr.splitlines() if "failed to load" in line]
     assert len(failures) == 1, result.stderr[-2000:]
