@@ -289,9 +289,15 @@ class BoundedHttpProtocol(HttpToolsProtocol):
             headers = [(n.decode("latin-1"), v.decode("latin-1")) for n, v in (self.headers or [])]
             received = self._head_started if self._head_started is not None else time.monotonic()
             self.settings.record_refusal(operation, headers, received, refusal.error)
-        if not self.transport.is_closing():
+        if self.transport.is_closing():
+            return
+        # A response already on its way (a pipelined request's predecessor) can only be cut off.
+        streaming = (
+            self.cycle is not None and self.cycle.response_started and not self.cycle.response_complete
+        )
+        if not streaming:
             self.transport.write(b"\r\n".join(head) + b"\r\n\r\n" + response.body)
-            self._close()
+        self._close()
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
