@@ -90,5 +90,5 @@ async def test_a_stream_names_the_field_and_serves_the_next_request(server: Toke
                 break
     errors = [event.error for event in events if event.WhichOneof("event") == "error"]
     assert len(errors) == 1 and errors[0].code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-    assert fields_of(errors[0]) == ["generate.messages[0].content"]
+    assert fields_of(errors[0]) == ["messages[0].content"]  # as every error of a generation on a stream
     assert events[-1].completed.request_id == "good"

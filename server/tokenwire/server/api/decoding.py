@@ -42,16 +42,24 @@ class UndecodableRequest:
 
 
 def tolerant(
-    parse: Callable[[bytes], Any], message_type: str, descriptor: Descriptor | None = None
+    parse: Callable[[bytes], Any],
+    message_type: str,
+    descriptor: Descriptor | None = None,
+    *,
+    within: str | None = None,
 ) -> Callable[[bytes], Any]:
     """A request deserializer that returns UndecodableRequest instead of raising; with the
-    message's `descriptor`, naming a string field that is not valid UTF-8."""
+    message's `descriptor`, naming a string field that is not valid UTF-8. `within`: the field
+    holding the request whose paths errors name (a stream's `generate`: its error events name
+    GenerateRequest's fields, as every other error of a stream's generation does)."""
 
     def deserialize(data: bytes) -> Any:
         try:
             return parse(data)
         except (DecodeError, UnicodeDecodeError, ValueError) as error:
             field = None if descriptor is None else invalid_utf8_field(data, descriptor)
+            if field is not None and within is not None:
+                field = field.removeprefix(within + ".")
             return UndecodableRequest(message_type, str(error) or type(error).__name__, field)
 
     return deserialize

@@ -31,6 +31,7 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
                 pb.StreamGenerateRequest.FromString,
                 "StreamGenerateRequest",
                 pb.StreamGenerateRequest.DESCRIPTOR,
+                within="generate",
             ),
             response_serializer=pb.StreamGenerateResponse.SerializeToString,
         ),
