@@ -42,6 +42,7 @@ import pytest
 from tests.reliability.measuring_process import MeasuringProcess
 from tests.reliability.server_process import procfs_available, read_rss_bytes
 from tests.server.openai_api.raw_http import exchange, request_now
+from tests.support.serve_process import announced_ports, ended
 from tests.support.templates import ATTACKS, TRAPDOOR, with_template
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
@@ -105,22 +106,10 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         env={**os.environ, "TOKENWIRE_AUTH_TOKENS": f"{VICTIM_TOKEN},{ATTACKER_TOKEN}"},
     )
     log.close()
-    assert process.stdout is not None
-    port = http_port = 0
-    for line in process.stdout:
-        if "OpenAI-compatible API on" in line:
-            http_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
-        if "serving on" in line:
-            port = int(line.rsplit(":", 1)[1])
-            break
-    assert port and http_port, f"server exited with {process.poll()}"
-    yield Server(process, port, http_port)
-    process.terminate()
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    ports = announced_ports(process)
+    assert ports.grpc and ports.http, f"server exited with {process.poll()}"
+    yield Server(process, ports.grpc, ports.http)
+    ended(process)
 
 
 class Victim(MeasuringProcess):
