@@ -185,9 +185,16 @@ def _linear(tensor: ReaderTensor) -> LinearWeight:
     return _float_array(tensor).reshape(rows, cols)
 
 
+def rotary_half_order(heads: int, head_size: int) -> NDArray[np.intp]:
+    """The GGUF row of each Hugging Face row of a Q or K projection whose rows convert_hf_to_gguf
+    permuted (llama, mistral): GGUF row 2*i + j of a head is HF row j * head_size/2 + i. The same
+    permutation applies to a LoRA adapter's B rows for those projections (convert_lora_to_gguf)."""
+    return np.arange(heads * head_size).reshape(heads, head_size // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
 def _rotary_rows_to_half_order(weight: LinearWeight, heads: int, head_size: int) -> LinearWeight:
-    """Undo convert_hf_to_gguf's permute(): GGUF row 2*i + j of a head is HF row j * head_size/2 + i."""
-    index = np.arange(heads * head_size).reshape(heads, head_size // 2, 2).swapaxes(1, 2).reshape(-1)
+    """Undo convert_hf_to_gguf's permute() on a projection's rows."""
+    index = rotary_half_order(heads, head_size)
     if isinstance(weight, np.ndarray):
         return np.ascontiguousarray(weight[index])
     return weight.take_rows(index)
@@ -309,7 +316,7 @@ class _LayersFromGguf(Sequence[LlamaLayerWeights]):
         else:
             q_proj, k_proj, v_proj = (_linear(tensor(f"attn_{p}.weight")) for p in "qkv")
             gate_proj, up_proj = _linear(tensor("ffn_gate.weight")), _linear(tensor("ffn_up.weight"))
-        if arch in _PERMUTED_ROTARY:
+        if arch in PERMUTED_ROTARY:
             q_proj = _rotary_rows_to_half_order(q_proj, cfg.num_heads, cfg.head_size)
             k_proj = _rotary_rows_to_half_order(k_proj, cfg.num_kv_heads, cfg.head_size)
         return LlamaLayerWeights(
@@ -333,7 +340,7 @@ class _LayersFromGguf(Sequence[LlamaLayerWeights]):
 
 
 # Architectures whose GGUF conversion permuted Q and K rows into llama.cpp's interleaved order.
-_PERMUTED_ROTARY = ("llama", "mistral")
+PERMUTED_ROTARY = ("llama", "mistral")
 
 
 def _rows(weight: LinearWeight, start: int, stop: int) -> LinearWeight:
