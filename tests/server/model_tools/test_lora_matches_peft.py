@@ -52,14 +52,21 @@ LLAMA_ADAPTERS = (
     },
 )
 GPT_ADAPTERS = (
-    {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"]},
-    {"r": 8, "lora_alpha": 16, "use_rslora": True, "target_modules": ["c_attn", "c_proj", "c_fc"]},
+    {"r": 4, "lora_alpha": 8, "target_modules": ["c_attn"], "fan_in_fan_out": True},
+    {
+        "r": 8,
+        "lora_alpha": 16,
+        "use_rslora": True,
+        "target_modules": ["c_attn", "c_proj", "c_fc"],
+        "fan_in_fan_out": True,
+    },
     {
         "r": 2,
         "lora_alpha": 4,
         "target_modules": ["c_proj", "c_fc"],
         "rank_pattern": {"mlp.c_proj": 6},
         "alpha_pattern": {"attn.c_proj": 5.0},
+        "fan_in_fan_out": True,  # GPT-2's Conv1D weights are [in, out]
     },
 )
 
