@@ -219,7 +219,7 @@ def fit_adapter(
         for site in sites:
             if site.key in claimed:
                 raise AdapterError(
-                    f"adapter {name}: {factor.label} and {claimed[site.key]} both adapt layer "
+                    f"adapter {name}: {claimed[site.key]} and {factor.label} both adapt layer "
                     f"{site.layer} {site.module}"
                 )
             claimed[site.key] = factor.label
