@@ -20,7 +20,6 @@ from tokenwire.server.text.chat import ALLOWED_ROLES
 from tokenwire.v1 import inference_service_pb2 as pb
 
 MAX_MODEL_NAME_CHARACTERS = 256
-MAX_ROLE_CHARACTERS = max(len(role) for role in ALLOWED_ROLES)
 REQUEST_ID_CHARACTERS = "printable ASCII other than space (! to ~)"
 MAX_IDEMPOTENCY_KEY_LENGTH = 128
 
