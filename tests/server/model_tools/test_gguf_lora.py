@@ -9,7 +9,6 @@ each weight, while a row without an adapter in the same batch keeps the base mod
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import gguf
@@ -20,29 +19,19 @@ from gguf import GGMLQuantizationType as Q
 from tests.server.model_tools.llama_reference import ReferenceModel, forward
 from tests.server.model_tools.shared_buffer_driver import SharedBufferDriver
 from tests.server.model_tools.synthetic_gguf import (
+    FAMILY_CASES,
     HEADS,
     KV_HEADS,
     MIXED_FORMATS,
     VOCAB,
+    exact_model,
     write_synthetic_gguf,
 )
 from tests.server.model_tools.synthetic_gguf_lora import PHI3_TENSORS, write_gguf_lora
-from tokenwire.server.model_tools.convert import GraphOptions, build_llama_graph, convert_gguf, read_gguf
-from tokenwire.server.model_tools.convert.llama_graph import save_model
 from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 from tokenwire.server.model_tools.lora import AdapterBase, AdapterError, read_adapter
 from tokenwire.server.models.adapters import AdapterStacks, LoraLayout
 
-WINDOW = 8
-FAMILIES = {
-    "llama": {},
-    "mistral": {"arch": "llama", "sliding_window": WINDOW},
-    "qwen2": {"arch": "qwen2"},
-    "qwen3": {"arch": "qwen3"},
-    "gemma2": {"arch": "gemma2", "sliding_window": WINDOW},
-    "gemma3": {"arch": "gemma3", "sliding_window": WINDOW},
-    "phi3": {"arch": "phi3"},
-}
 RANK = 4
 ATOL = 2e-4  # the families' own tolerance against the reference (test_gguf_families.py)
 
@@ -51,26 +40,12 @@ def _prompt(seed: int, length: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, VOCAB, size=length)]
 
 
-def _exact_lora_model(gguf_path: Path, directory: Path) -> Path:
-    """float32 compute with exact offsets and LoRA sites on every projection."""
-    source = read_gguf(gguf_path)
-    options = GraphOptions(accuracy_level=0, offsets="float", lora=LoraOptions())
-    save_model(
-        build_llama_graph(source.config, source.weights, options),
-        directory / "model.onnx",
-        external_data=False,
-    )
-    converted = convert_gguf(gguf_path, directory / "converted")
-    shutil.copy(converted / "genai_config.json", directory)
-    return directory
-
-
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
+@pytest.fixture(scope="module", params=[case for case in sorted(FAMILY_CASES) if case != "gemma3-global"])
 def family(
     request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
 ) -> tuple[str, Path, Path, ReferenceModel, ReferenceModel]:
     work = tmp_path_factory.mktemp(request.param)
-    options = FAMILIES[request.param]
+    options = FAMILY_CASES[request.param]
     arch = str(options.get("arch", "llama"))
     base = write_synthetic_gguf(work / "base.gguf", formats=MIXED_FORMATS, seed=3, **options)  # type: ignore[arg-type]
     tensors = {"tensors": PHI3_TENSORS} if arch == "phi3" else {}
@@ -86,7 +61,7 @@ def family(
         a_type=a_type,
         **tensors,
     )
-    model = _exact_lora_model(base.path, work)
+    model = exact_model(base.path, work, lora=LoraOptions())
     return arch, model, work / "adapter.gguf", base.reference, merged
 
 
@@ -152,7 +127,7 @@ def _pair(out: int, cols: int, rank: int = 2) -> tuple[np.ndarray, np.ndarray]:
 def llama_layout(tmp_path_factory: pytest.TempPathFactory) -> LoraLayout:
     work = tmp_path_factory.mktemp("llama-lora")
     base = write_synthetic_gguf(work / "base.gguf", formats=MIXED_FORMATS, seed=3)
-    model = _exact_lora_model(base.path, work)
+    model = exact_model(base.path, work, lora=LoraOptions())
     layout = LoraLayout.from_session(SharedBufferDriver(model, slots=1, max_len=8).session)
     assert layout is not None
     return layout
