@@ -9,10 +9,15 @@ one batch that mixes the three adapters and the base model, prompts prefilled an
 
 Tolerances are the float models' own against their references: 2e-4 for the Llama graph
 (test_llama_graph_matches_numpy.py), 1e-4 for the tiny GPT (test_tiny_gpt_matches_numpy.py).
+
+One test (marked `llamacpp`, see conftest.py) has llama.cpp's own convert_lora_to_gguf.py turn
+a PEFT adapter into a GGUF adapter and holds tokenwire's reading of that file to PEFT.
 """
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -79,6 +84,8 @@ class Layout:
     adapter_dirs: list[Path]
     prompts: list[list[int]]
     tolerance: float
+    files: list[Path] | None = None
+    """What tokenwire reads for each adapter; None: the PEFT directories themselves."""
     references: dict[tuple[int | None, int], tuple[list[int], np.ndarray]] = field(default_factory=dict)
 
     def reference(self, adapter: int | None, prompt: int) -> tuple[list[int], np.ndarray]:
@@ -135,7 +142,7 @@ def _greedy_in_one_batch(layout: Layout, rows: list[int | None]) -> list[tuple[l
     base = AdapterBase(architecture=None, num_heads=config.num_heads, num_kv_heads=config.num_kv_heads)
     slot_of = {
         i: stacks.load(read_adapter(path, lora_layout, base=base, max_rank=MAX_RANK, name=f"a{i}"))
-        for i, path in enumerate(layout.adapter_dirs)
+        for i, path in enumerate(layout.files or layout.adapter_dirs)
     }
     slots = [NO_ADAPTER if adapter is None else slot_of[adapter] for adapter in rows]
     prompts = layout.prompts[: len(rows)]
@@ -190,3 +197,43 @@ def test_a_batch_mixing_three_adapters_and_the_base_gives_each_row_peft_s_result
     results = _greedy_in_one_batch(layout, rows)
     for prompt, (adapter, got) in enumerate(zip(rows, results, strict=True)):
         _assert_matches(layout, got, adapter, prompt)
+
+
+REPO = Path(__file__).resolve().parents[3]
+
+
+@pytest.mark.llamacpp
+@pytest.mark.timeout(1800)
+def test_llama_cpp_s_converted_adapter_gives_peft_s_results(tmp_path: Path) -> None:
+    # convert_lora_to_gguf.py writes one alpha and llama.cpp scales by alpha / r: adapters with
+    # rsLoRA or per-module alphas do not survive it, so the plain adapter is the one converted.
+    source = subprocess.run(
+        ["bash", str(REPO / "scripts" / "llamacpp-tools"), "--source-only"],
+        check=True,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    ).stdout.splitlines()[-1]
+    base_dir = tmp_path / "hf-base"
+    hf_tiny_llama().save_pretrained(str(base_dir))
+    adapter = make_peft_adapter(hf_tiny_llama, tmp_path / "adapter", seed=10, **LLAMA_ADAPTERS[0])
+    converted = tmp_path / "adapter.gguf"
+    subprocess.run(
+        [
+            sys.executable,
+            "convert_lora_to_gguf.py",
+            *("--base", str(base_dir), "--outtype", "f32", "--outfile", str(converted)),
+            str(adapter),
+        ],
+        cwd=source,
+        check=True,
+        capture_output=True,
+        timeout=600,
+    )
+    model_dir = create_tiny_llama(tmp_path / "model", lora=LoraOptions())
+    layout = Layout(
+        "genai", hf_tiny_llama, model_dir, [adapter], _prompts(1, [5, 11]), 2e-4, files=[converted]
+    )
+    rows: list[int | None] = [0, None]
+    for prompt, (row, got) in enumerate(zip(rows, _greedy_in_one_batch(layout, rows), strict=True)):
+        _assert_matches(layout, got, row, prompt)
