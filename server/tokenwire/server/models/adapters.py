@@ -121,9 +121,11 @@ class LoraLayout:
             a, b = pair.get("A"), pair.get("B")
             if a is None or b is None:
                 raise ValueError(f"LoRA site {layer} {module} lacks its A or B input")
-            in_features, out_features = a.shape[1], b.shape[2]
             if len(a.shape) != 3 or len(b.shape) != 3:
-                raise ValueError(f"LoRA inputs of {layer} {module} must be [slots, features, rank] 3-D")
+                raise ValueError(
+                    f"LoRA inputs of {layer} {module} must be 3-D: [slots, in, rank], [slots, rank, out]"
+                )
+            in_features, out_features = a.shape[1], b.shape[2]
             if not isinstance(in_features, int) or not isinstance(out_features, int):
                 raise ValueError(f"LoRA inputs of {layer} {module} need static feature dimensions")
             dtypes.update((a.type, b.type))

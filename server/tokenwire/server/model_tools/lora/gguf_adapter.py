@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -156,7 +157,7 @@ def _matrix(tensor: ReaderTensor) -> F32:
     return np.asarray(values, dtype=np.float32).reshape(rows, cols)
 
 
-def _reader(a: ReaderTensor, b: ReaderTensor, permuted_heads: int | None) -> Any:
+def _reader(a: ReaderTensor, b: ReaderTensor, permuted_heads: int | None) -> Callable[[], tuple[F32, F32]]:
     def read() -> tuple[F32, F32]:
         b_rows = _matrix(b)
         if permuted_heads is not None:

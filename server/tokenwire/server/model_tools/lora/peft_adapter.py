@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -126,7 +127,12 @@ def _read_config(directory: Path, name: str) -> _Config:
     return _Config(name, raw)
 
 
-def _pattern(raw: dict[str, Any], field: str, valid: Any, bad: Any) -> dict[str, Any]:
+def _pattern(
+    raw: dict[str, Any],
+    field: str,
+    valid: Callable[[object], bool],
+    bad: Callable[[str, str], AdapterError],
+) -> dict[str, Any]:
     value = raw.get(field) or {}
     if not isinstance(value, dict):
         raise bad(field, "must be an object of module pattern -> value")
@@ -192,7 +198,7 @@ def _factors(name: str, config: _Config, weights: SafetensorsFile) -> list[LoraF
     return factors
 
 
-def _reader(name: str, weights: SafetensorsFile, a: str, b: str) -> Any:
+def _reader(name: str, weights: SafetensorsFile, a: str, b: str) -> Callable[[], tuple[F32, F32]]:
     def read() -> tuple[F32, F32]:
         try:
             return weights.read(a), weights.read(b)
