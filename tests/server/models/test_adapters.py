@@ -13,9 +13,10 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 
+from tokenwire.server.model_tools.convert.llama_graph import GraphOptions, build_llama_graph, save_model
 from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 from tokenwire.server.model_tools.tiny_gpt import TinyGptConfig, create_tiny_gpt
-from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
+from tokenwire.server.model_tools.tiny_llama import create_tiny_llama, tiny_llama_config, tiny_llama_weights
 from tokenwire.server.models.adapters import (
     LORA_INDEX,
     NO_ADAPTER,
@@ -64,7 +65,8 @@ def _feeds(session: ort.InferenceSession, tokens: list[int], rows: int = 1) -> d
     for graph_input in session.get_inputs():
         if graph_input.name.startswith("past_key_values."):
             _, heads, _, head_dim = graph_input.shape
-            feeds[graph_input.name] = np.zeros((rows, heads, 0, head_dim), dtype=np.float32)
+            dtype = np.float16 if graph_input.type == "tensor(float16)" else np.float32
+            feeds[graph_input.name] = np.zeros((rows, heads, 0, head_dim), dtype=dtype)
     return feeds
 
 
@@ -245,3 +247,30 @@ def test_an_adapter_that_does_not_fit_is_refused_in_one_line(
     with pytest.raises(AdapterError, match=message) as refused:
         fit_adapter("x", factors, layout, max_rank=8)
     assert "\n" not in str(refused.value)
+
+
+def test_a_float16_graph_takes_float16_stacks(models: dict, tmp_path: Path) -> None:
+    config = tiny_llama_config()
+    options = GraphOptions(dtype="float16", lora=LoraOptions(("self_attn.q_proj", "mlp.down_proj")))
+    path = tmp_path / "fp16.onnx"
+    save_model(build_llama_graph(config, tiny_llama_weights(config), options), path, external_data=False)
+    half, full = _session(path), _session(models["genai"][1])
+    half_layout, full_layout = LoraLayout.from_session(half), LoraLayout.from_session(full)
+    assert half_layout is not None and full_layout is not None
+    # Q comes with K and V: the graph computes the three in one fused MatMul.
+    assert half_layout.dtype == np.float16
+    assert half_layout.modules == (
+        "mlp.down_proj",
+        "self_attn.k_proj",
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+    )
+    wanted = set(half_layout.modules)
+    half_stacks = AdapterStacks(half_layout, max_loras=1, max_rank=4)
+    full_stacks = AdapterStacks(full_layout, max_loras=1, max_rank=4)
+    for stacks, layout in ((half_stacks, half_layout), (full_stacks, full_layout)):
+        stacks.load(_random_adapter(layout, "a", rank=4, seed=9, modules=wanted.__contains__))
+    adapted = _run(half, PROMPT, half_stacks, [1])
+    # float16 keeps about 3 digits (test_llama_graph_matches_numpy.py allows 0.1 on these logits).
+    np.testing.assert_allclose(adapted, _run(full, PROMPT, full_stacks, [1]), atol=0.1, rtol=0)
+    assert np.abs(adapted - _run(half, PROMPT, half_stacks, [0])).max() > 0.5
