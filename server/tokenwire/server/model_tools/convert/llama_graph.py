@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Literal, overload
+from typing import Any, BinaryIO, Literal
 
 import numpy as np
 import onnx
@@ -275,28 +275,6 @@ class _LlamaGraphBuilder:
             return self.linear(x, stacked, name)
         return [self.linear(x, w, f"{name}.{i}") for i, w in enumerate(weights)]
 
-    @overload
-    def adapted(
-        self,
-        layer_id: int,
-        x: str,
-        in_features: int,
-        outputs: str,
-        modules: tuple[str, ...],
-        out_features: tuple[int, ...],
-    ) -> str: ...
-
-    @overload
-    def adapted(
-        self,
-        layer_id: int,
-        x: str,
-        in_features: int,
-        outputs: str | list[str],
-        modules: tuple[str, ...],
-        out_features: tuple[int, ...],
-    ) -> str | list[str]: ...
-
     def adapted(
         self,
         layer_id: int,
@@ -306,34 +284,39 @@ class _LlamaGraphBuilder:
         modules: tuple[str, ...],
         out_features: tuple[int, ...],
     ) -> str | list[str]:
-        """Projection outputs of `x` with their LoRA deltas added.
+        """Projection outputs of `x` with their LoRA deltas added (before any bias): one tensor
+        holding every module's output side by side (a fused MatMul), or one tensor per module."""
+        if isinstance(outputs, str):
+            return self.adapted_packed(layer_id, x, in_features, outputs, modules, out_features)
+        return [
+            self.adapted_packed(layer_id, x, in_features, out, (module,), (size,))
+            for out, module, size in zip(outputs, modules, out_features, strict=True)
+        ]
 
-        `outputs` is one tensor holding every module's output side by side (a fused MatMul), or
-        one tensor per module. Deltas are added before any bias.
-        """
+    def adapted_packed(
+        self,
+        layer_id: int,
+        x: str,
+        in_features: int,
+        output: str,
+        modules: tuple[str, ...],
+        out_features: tuple[int, ...],
+    ) -> str:
+        """`output` (the modules' outputs side by side) plus their deltas, concatenated alike."""
         lora, options = self.lora, self.options.lora
-        if lora is None or options is None:
-            return outputs
+        if lora is None or options is None or not options.group(modules):
+            return output
 
         def add(op: str, inputs: list[str], name: str) -> str:
             return self.g.one(op, inputs, name)
 
-        def delta(i: int) -> str:
-            return lora.delta(add, x, layer_id, modules[i], in_features, out_features[i])
-
-        if isinstance(outputs, str):
-            if not options.group(modules):
-                return outputs
-            deltas = [delta(i) for i in range(len(modules))]
-            name = f"/lora/{layer_id}/{modules[0]}"
-            total = deltas[0] if len(deltas) == 1 else self.g.one("Concat", deltas, f"{name}/Concat", axis=-1)
-            return add("Add", [outputs, total], f"{name}/Add")
-        return [
-            add("Add", [out, delta(i)], f"/lora/{layer_id}/{modules[i]}/Add")
-            if options.wants(modules[i])
-            else out
-            for i, out in enumerate(outputs)
+        deltas = [
+            lora.delta(add, x, layer_id, module, in_features, size)
+            for module, size in zip(modules, out_features, strict=True)
         ]
+        name = f"/lora/{layer_id}/{modules[0]}"
+        total = deltas[0] if len(deltas) == 1 else self.g.one("Concat", deltas, f"{name}/Concat", axis=-1)
+        return add("Add", [output, total], f"{name}/Add")
 
     # --- model parts -----------------------------------------------------------------------
 
@@ -495,7 +478,7 @@ class _LlamaGraphBuilder:
             **extra,
         )
         out = self.linear(attn, layer.o_proj, f"{name}.o_proj")
-        return self.adapted(layer_id, attn, cfg.q_size, out, ("self_attn.o_proj",), (cfg.hidden_size,))
+        return self.adapted_packed(layer_id, attn, cfg.q_size, out, ("self_attn.o_proj",), (cfg.hidden_size,))
 
     def head_rms_norm(self, x: str, gamma: NDArray[np.float32], name: str) -> str:
         """RMSNorm over each head of a [batch, seq, heads * head_size] projection."""
@@ -536,7 +519,7 @@ class _LlamaGraphBuilder:
             activated = self.g.one("Mul", [gate, sigmoid], f"/{name}/act/Mul")
         hidden = self.g.one("Mul", [activated, up], f"/{name}/Mul")
         out = self.linear(hidden, layer.down_proj, f"{name}.down_proj")
-        return self.adapted(
+        return self.adapted_packed(
             layer_id, hidden, cfg.intermediate_size, out, ("mlp.down_proj",), (cfg.hidden_size,)
         )
 
