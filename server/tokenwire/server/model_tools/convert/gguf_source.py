@@ -278,9 +278,16 @@ def _linear(tensor: GgufTensor) -> LinearWeight:
     return _float_array(tensor).reshape(rows, cols)
 
 
+def rotary_half_order(heads: int, head_size: int) -> NDArray[np.intp]:
+    """The GGUF row of each Hugging Face row of a Q or K projection whose rows convert_hf_to_gguf
+    permuted (llama, mistral): GGUF row 2*i + j of a head is HF row j * head_size/2 + i. The same
+    permutation applies to a LoRA adapter's B rows for those projections (convert_lora_to_gguf)."""
+    return np.arange(heads * head_size).reshape(heads, head_size // 2, 2).swapaxes(1, 2).reshape(-1)
+
+
 def _rotary_rows_to_half_order(weight: LinearWeight, heads: int, head_size: int) -> LinearWeight:
-    """Undo convert_hf_to_gguf's permute(): GGUF row 2*i + j of a head is HF row j * head_size/2 + i."""
-    index = np.arange(heads * head_size).reshape(heads, head_size // 2, 2).swapaxes(1, 2).reshape(-1)
+    """Undo convert_hf_to_gguf's permute() on a projection's rows."""
+    index = rotary_half_order(heads, head_size)
     if isinstance(weight, np.ndarray):
         return np.ascontiguousarray(weight[index])
     return weight.take_rows(index)
@@ -388,6 +395,11 @@ class _LayersFromGguf(Sequence[LlamaLayerWeights]):
             post_attn_norm=optional_vector("post_attention_norm.weight"),
             post_ffn_norm=optional_vector("post_ffw_norm.weight"),
         )
+
+
+PERMUTED_ROTARY = tuple(name for name, family in FAMILIES.items() if family.permuted_rotary)
+"""Architectures whose GGUF conversion permuted Q and K rows into llama.cpp's interleaved order
+(an adapter's B rows for Q and K come permuted the same way)."""
 
 
 def _rows(weight: LinearWeight, start: int, stop: int) -> LinearWeight:
