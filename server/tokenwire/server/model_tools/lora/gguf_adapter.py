@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGMLQuantizationType, ReaderTensor
+from gguf import GGMLQuantizationType
 from gguf.quants import dequantize
 
 from tokenwire.server.model_tools.convert.errors import ConversionError
-from tokenwire.server.model_tools.convert.gguf_file import open_gguf
+from tokenwire.server.model_tools.convert.gguf_file import GgufArray, GgufTensor, open_gguf
 from tokenwire.server.model_tools.convert.gguf_source import (
     PERMUTED_ROTARY,
     SUPPORTED_ARCHITECTURES,
@@ -89,8 +89,8 @@ def read_gguf_adapter(
         raise AdapterError(f"adapter {name}: {error}") from None
 
     def field(key: str) -> Any:
-        found = reader.get_field(key)
-        return None if found is None else found.contents()
+        found = reader.fields.get(key)
+        return found.strings() if isinstance(found, GgufArray) and found.holds_strings else found
 
     if field("general.type") != "adapter" or field("adapter.type") != "lora":
         raise AdapterError(
@@ -110,9 +110,11 @@ def read_gguf_adapter(
     if field("adapter.alora.invocation_tokens") is not None:
         raise AdapterError(f"adapter {name}: is an activated LoRA (aLoRA), which is not supported")
     alpha = field("adapter.lora.alpha")
+    if alpha is not None and (isinstance(alpha, bool) or not isinstance(alpha, int | float)):
+        raise AdapterError(f"adapter {name}: adapter.lora.alpha is {str(alpha)[:40]!r}, not a number")
     alpha = 0.0 if alpha is None else float(alpha)
     modules = _PHI3_MODULES if arch == "phi3" else _MODULES
-    pairs: dict[tuple[int, str], dict[str, ReaderTensor]] = {}
+    pairs: dict[tuple[int, str], dict[str, GgufTensor]] = {}
     for tensor in reader.tensors:
         match = _TENSOR_NAME.match(tensor.name)
         if match is None or match.group("tensor") not in modules:
@@ -151,13 +153,13 @@ def read_gguf_adapter(
     return fit_adapter(name, factors, layout, max_rank=max_rank)
 
 
-def _matrix(tensor: ReaderTensor) -> F32:
+def _matrix(tensor: GgufTensor) -> F32:
     cols, rows = (int(n) for n in tensor.shape)
     values = dequantize(np.asarray(tensor.data), GGMLQuantizationType(tensor.tensor_type))
     return np.asarray(values, dtype=np.float32).reshape(rows, cols)
 
 
-def _reader(a: ReaderTensor, b: ReaderTensor, permuted_heads: int | None) -> Callable[[], tuple[F32, F32]]:
+def _reader(a: GgufTensor, b: GgufTensor, permuted_heads: int | None) -> Callable[[], tuple[F32, F32]]:
     def read() -> tuple[F32, F32]:
         b_rows = _matrix(b)
         if permuted_heads is not None:
