@@ -118,9 +118,7 @@ class KvCopyGraphs:
         shape = [1, geometry.kv_heads, count, geometry.head_dim]
         base = int(rows.ctypes.data)
         for tensor in range(geometry.tensors):
-            binding.bind_output(
-                _rows(tensor), "cpu", 0, geometry.dtype, shape, base + tensor * tensor_bytes
-            )
+            binding.bind_output(_rows(tensor), "cpu", 0, geometry.dtype, shape, base + tensor * tensor_bytes)
         run_bound(self._read, binding)
         return rows
 
