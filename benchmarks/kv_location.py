@@ -7,8 +7,9 @@ cache (256 MiB, the default) and each with `--prefix-cache-mb 0` (the cold side 
 workload). Workloads, with `tokenwire bench`:
 
 - one stream: 100-token prompts, 128 new tokens, one client, 4 requests;
-- 8 streams: 100-token prompts, 128 new tokens, 8 clients for 20 s (slots free and refill, so
-  the cache compacts: rows move slot to slot);
+- 8 streams: 100-token prompts, 128 new tokens, 8 clients, 24 requests (three waves: slots free
+  and refill, so the cache compacts and rows move slot to slot; a fixed count of requests, not a
+  time window, so every repetition measures the same work);
 - prefix cache: every prompt the same 1,000 tokens and a 20-token question, 16 new tokens, one
   client, 6 requests: warm on the servers with the cache (the warm-up request fills it: every
   block copied out, every measured request's prefix copied into its slot), cold without.
@@ -93,17 +94,19 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--repetitions", type=int, default=3)
-    parser.add_argument("--duration", type=float, default=20.0, help="seconds of the 8-stream workload")
+    parser.add_argument("--only", default="", help="comma-separated workload names to run (default all)")
     args = parser.parse_args()
 
     directory = benchkit.model_dir()
     workloads = [
         Workload("one stream", LoadLevel("concurrency", 1), 100, 128, requests=4),
-        Workload("8 streams", LoadLevel("concurrency", 8), 100, 128, duration=args.duration),
+        Workload("8 streams", LoadLevel("concurrency", 8), 100, 128, requests=24),
         Workload(
             "prefix cache", LoadLevel("concurrency", 1), 20, 16, shared_prefix=1000, requests=6, cold_too=True
         ),
     ]
+    if args.only:
+        workloads = [w for w in workloads if w.name in set(args.only.split(","))]
     sides = {
         **{where: ("--kv-cache-location", where) for where in LOCATIONS},
         **{
@@ -119,18 +122,20 @@ def main() -> None:
     resident: dict[str, float] = {}
     try:
         for side, extra in sides.items():
+            if "cache off" in side and not any(w.cold_too for w in workloads):
+                continue
             server = benchkit.ServerProcess(directory, max_batch_size=8, extra=("--no-metrics", *extra))
             servers[side] = server.__enter__()
         for repetition in range(args.repetitions):
             for workload in workloads:
-                order = [s for s in sides if workload.cold_too or "cache off" not in s]
+                order = [s for s in servers if workload.cold_too or "cache off" not in s]
                 if repetition % 2:
                     order.reverse()
                 for side in order:
                     benchkit.wait_for_quiet()
                     print(f"rep {repetition + 1}: {workload.name} on {side}", flush=True)
-                    # A fresh seed per repetition: no repetition finds what an earlier one cached.
-                    seed = 11 + 1000 * repetition
+                    # A fresh seed per repetition and workload: nothing finds what another cached.
+                    seed = 11 + 1000 * repetition + 100 * workloads.index(workload)
                     runs[(workload.name, side)].append(run_once(servers[side].target, workload, seed))
         for side, server in servers.items():
             startup[side] = server.kv_cache_line()
@@ -143,7 +148,7 @@ def main() -> None:
     rows: list[list[object]] = []
     for workload in workloads:
         for side in sides:
-            if not runs[(workload.name, side)]:
+            if not runs.get((workload.name, side)):
                 continue
             figures = summarize(runs[(workload.name, side)])
             data.setdefault(workload.name, {})[side] = figures
@@ -173,22 +178,28 @@ def main() -> None:
         print(f"- {side}: `{startup.get(side, '')}`; resident at the end {rss:.0f} MiB")
     print()
     print(benchkit.markdown_table(columns, rows))
-    print("\n### Device over host\n")
+    print("\n### Device over host, median of the repetitions' pairs\n")
     ratios: dict[str, float] = {}
     for workload in workloads:
-        figures = data.get(workload.name, {})
-        if "host" not in figures or "device" not in figures:
+        host, device = runs.get((workload.name, "host")), runs.get((workload.name, "device"))
+        if not host or not device:
             continue
-        host, device = figures["host"], figures["device"]
-        if workload.name == "prefix cache":
-            ratios["prefix cache warm TTFT"] = device["ttft_p50"] / host["ttft_p50"]
-        else:
-            ratios[f"{workload.name} tok/s"] = device["tok_per_s"] / host["tok_per_s"]
-    prefix = data.get("prefix cache", {})
-    for where in LOCATIONS:
-        cold = prefix.get(f"{where}, cache off")
-        if cold and where in prefix:
-            ratios[f"{where}: warm TTFT over cold"] = prefix[where]["ttft_p50"] / cold["ttft_p50"]
+        metrics = ("ttft_p50",) if workload.shared_prefix else ("tok_per_s", "tpot_p50")
+        for metric in metrics:
+            pairs = [
+                summarize([d])[metric] / summarize([h])[metric] for h, d in zip(host, device, strict=True)
+            ]
+            ratios[f"{workload.name} {metric}"] = statistics.median(pairs)
+            data.setdefault("pairs", {})[f"{workload.name} {metric}"] = pairs
+        if workload.cold_too:
+            for where in LOCATIONS:
+                warm, cold = runs[(workload.name, where)], runs[(workload.name, f"{where}, cache off")]
+                pairs = [
+                    summarize([w])["ttft_p50"] / summarize([c])["ttft_p50"]
+                    for w, c in zip(warm, cold, strict=True)
+                ]
+                ratios[f"{where}: warm TTFT over cold"] = statistics.median(pairs)
+                data.setdefault("pairs", {})[f"{where}: warm TTFT over cold"] = pairs
     for name, ratio in ratios.items():
         print(f"- {name}: {ratio:.3f}")
     data["ratios"] = ratios

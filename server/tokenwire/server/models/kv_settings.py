@@ -15,9 +15,9 @@ from tokenwire.server.settings_schema import ENGINE, setting
 KvCacheLocation = Literal["host", "device"]
 
 DEFAULT_KV_CACHE_LOCATION: KvCacheLocation = "device"
-"""BENCHMARKS.md section 15: on the CPU the two locations decode at the same speed (the model reads
-the same memory either way), and ONNX Runtime's row moves cost the same order as NumPy's, so the
-default is the one path every device runs."""
+"""BENCHMARKS.md, "KV cache location on the CPU": on the CPU the two locations decode at the same
+speed (the model reads memory of the same kind either way, bound by pointer), and ONNX Runtime's
+row moves cost the same order as NumPy's, so the default is the one path every device runs."""
 
 
 @dataclass(frozen=True)
