@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from google.protobuf.duration_pb2 import Duration
 
+from tokenwire.server.api.admission import AdmissionInput
+from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.api.request_bounds import RequestSizes
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.engine.types import (
     Completed,
@@ -25,7 +28,6 @@ from tokenwire.server.text.chat import ChatTurn
 from tokenwire.v1 import inference_service_pb2 as pb
 
 _PRIORITIES = {
-    pb.PRIORITY_UNSPECIFIED: Priority.DEFAULT,
     pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
     pb.PRIORITY_DEFAULT: Priority.DEFAULT,
     pb.PRIORITY_BATCH: Priority.BATCH,
@@ -39,7 +41,46 @@ _FINISH_REASONS = {
 }
 
 
+def admission_input(message: pb.GenerateRequest | UndecodableRequest) -> AdmissionInput:
+    """A decoded GenerateRequest (or bytes that did not decode) as admission takes it."""
+    if isinstance(message, UndecodableRequest):
+        error = message.error()
+
+        def undecodable() -> RequestSpec:
+            raise error
+
+        return AdmissionInput(RequestSizes(), undecodable, request_error)
+    return AdmissionInput(
+        request_sizes(message),
+        lambda: request_spec(message),
+        request_error,
+        idempotency_key=message.idempotency_key or None,
+    )
+
+
+def request_sizes(message: pb.GenerateRequest) -> RequestSizes:
+    """The sizes of a decoded request, read without looking inside its repeated fields."""
+    messages = message.messages
+    return RequestSizes(
+        request_id=message.request_id,
+        idempotency_key=message.idempotency_key,
+        model=message.model,
+        messages=len(messages),
+        roles=lambda: (turn.role for turn in messages),
+        message_characters=lambda: sum(len(turn.content) for turn in messages),
+        prompt_characters=len(message.prompt) if message.HasField("prompt") else None,
+        token_ids=len(message.token_ids.ids) if message.HasField("token_ids") else None,
+        logit_bias=len(message.sampling.logit_bias),
+        stop=len(message.stopping.stop),
+    )
+
+
 def request_spec(message: pb.GenerateRequest) -> RequestSpec:
+    """The request in domain terms. Raises GenerationError for a priority this server does not know."""
+    if message.priority != pb.PRIORITY_UNSPECIFIED and message.priority not in _PRIORITIES:
+        raise GenerationError.invalid(
+            FieldViolation("priority", "unknown value; use INTERACTIVE, DEFAULT or BATCH")
+        )
     sampling = message.sampling
     stopping = message.stopping
     return RequestSpec(
@@ -63,17 +104,12 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         timeout=_seconds(message.timeout) if message.HasField("timeout") else None,
-        priority=_PRIORITIES.get(message.priority),
+        priority=_PRIORITIES.get(message.priority),  # None: unset, which is DEFAULT
         n=message.n or 1,  # proto3's unset 0 means one completion
         response_format=(
             response_format(message.response_format) if message.HasField("response_format") else None
         ),
     )
-
-
-def idempotency_key(message: pb.GenerateRequest) -> str | None:
-    """The key that makes the request idempotent for its caller; None when it carries none."""
-    return message.idempotency_key or None
 
 
 def response_format(message: pb.ResponseFormat) -> ResponseFormat | None:

@@ -64,7 +64,7 @@ class GenerationStream:
         admitted = await self._admission.admit(
             METHOD,
             metadata,
-            request,
+            convert.admission_input(request),
             received=received,
             call_deadline=call_deadline,
             on_event=self._deliver,

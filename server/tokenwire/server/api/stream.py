@@ -146,14 +146,16 @@ class StreamSession:
         completions = min(max(message.n, 1), MAX_COMPLETIONS)  # validation refuses a bad n after
         over = self._over_limit(completions)
         if over is not None:
-            self._admission.refuse("StreamGenerate", self._metadata, message, over, received=received)
+            self._admission.refuse(
+                "StreamGenerate", self._metadata, convert.request_sizes(message), over, received=received
+            )
             self._send(_error_event(request_id, over))
             return
         try:
             admitted = await self._admission.admit(
                 "StreamGenerate",
                 self._metadata,
-                message,
+                convert.admission_input(message),
                 received=received,
                 call_deadline=self._call_deadline,
                 on_event=lambda event: self._deliver(request_id, event),

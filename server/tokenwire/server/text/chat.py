@@ -1,7 +1,11 @@
 """Chat templates: render a conversation into a prompt the way Hugging Face does, within bounds.
 
-Templates are Jinja2 with the Hugging Face conventions: the variables `messages`,
-`add_generation_prompt`, `bos_token`, `eos_token`, and the `raise_exception` helper.
+Templates are Jinja2 with the Hugging Face conventions: the variables `messages`, `tools`,
+`add_generation_prompt`, `bos_token`, `eos_token`, and the `raise_exception` helper. Messages
+carry OpenAI's tool fields (`tool_calls` with their arguments as objects, `tool_call_id`, `name`)
+and `tools` OpenAI's function definitions, as Hugging Face passes them; a template that never
+reads `tools` (`renders_tools` is False) gets tokenwire's own tool instructions instead
+(text/tool_prompt.py).
 
 A template comes with the model files, which the operator may not have written, and runs once per
 request on input the caller chose: it runs in Jinja's immutable sandbox, and each rendering has a
@@ -13,15 +17,18 @@ building it.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
-from jinja2 import TemplateError
+from jinja2 import TemplateError, meta
 from jinja2.runtime import Context
 from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
+
+from tokenwire.server.text.tools import ToolCall, ToolCallFormat, ToolDefinition, tool_call_format
 
 ALLOWED_ROLES = frozenset({"system", "user", "assistant", "tool"})
 DEFAULT_RENDER_SECONDS = 1.0
@@ -32,6 +39,12 @@ DEFAULT_MAX_OUTPUT_CHARS = 4_000_000
 class ChatTurn:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant turn's calls."""
+    tool_call_id: str = ""
+    """A tool turn's answer to this call."""
+    name: str = ""
+    """A tool turn's tool."""
 
 
 class ChatTemplateError(ValueError):
@@ -125,12 +138,21 @@ class ChatTemplate:
         environment.globals["raise_exception"] = _raise_exception
         self._template = environment.from_string(source)
         self.source = source
+        self.renders_tools = "tools" in meta.find_undeclared_variables(environment.parse(source))
+        """Whether the template renders the tools a request offers (it reads `tools`)."""
+        self.tool_format: ToolCallFormat = tool_call_format(source, renders_tools=self.renders_tools)
         self._bos_token = bos_token
         self._eos_token = eos_token
         self.render_seconds = render_seconds
         self.max_output_chars = max_output_chars
 
-    def render(self, turns: Sequence[ChatTurn], *, add_generation_prompt: bool = True) -> str:
+    def render(
+        self,
+        turns: Sequence[ChatTurn],
+        *,
+        add_generation_prompt: bool = True,
+        tools: Sequence[ToolDefinition] = (),
+    ) -> str:
         """The prompt for `turns`. Raises ChatTemplateError when the template rejects them or
         fails, ChatTemplateLimitError when it runs past its time budget or output bound."""
         budget = _Budget(time.monotonic() + self.render_seconds, self.max_output_chars)
@@ -139,7 +161,8 @@ class ChatTemplate:
             pieces: list[str] = []
             size = 0
             for piece in self._template.generate(
-                messages=[{"role": t.role, "content": t.content} for t in turns],
+                messages=[_message(turn) for turn in turns],
+                tools=[_tool(tool) for tool in tools] or None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._bos_token,
                 eos_token=self._eos_token,
@@ -159,3 +182,35 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template failed: {type(error).__name__}: {error}"[:200]) from error
         finally:
             self._budgets.current = None
+
+
+def _message(turn: ChatTurn) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": turn.role, "content": turn.content}
+    if turn.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": json_value(call.arguments)},
+            }
+            for call in turn.tool_calls
+        ]
+    if turn.tool_call_id:
+        message["tool_call_id"] = turn.tool_call_id
+    if turn.name:
+        message["name"] = turn.name
+    return message
+
+
+def _tool(tool: ToolDefinition) -> dict[str, Any]:
+    function = {"name": tool.name, "description": tool.description, "parameters": json_value(tool.parameters)}
+    return {"type": "function", "function": function}
+
+
+def json_value(text: str) -> Any:
+    """JSON text as the value it spells (templates render arguments and schemas with `tojson`),
+    or the text itself when it is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
