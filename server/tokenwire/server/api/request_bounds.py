@@ -30,6 +30,7 @@ from tokenwire.server.engine.validation import (
     prompt_length_violation,
     role_violation,
 )
+from tokenwire.server.text.tools import MAX_TOOLS
 
 MAX_MODEL_NAME_CHARACTERS = 256
 MAX_IDEMPOTENCY_KEY_LENGTH = 128
@@ -54,6 +55,7 @@ class RequestSizes:
     """None: no token-id prompt."""
     logit_bias: int = 0
     stop: int = 0
+    tools: int = 0
 
 
 def check_before_model(sizes: RequestSizes, limits: RequestLimits) -> None:
@@ -66,6 +68,7 @@ def check_before_model(sizes: RequestSizes, limits: RequestLimits) -> None:
         count_violation("messages", sizes.messages, limits.max_messages, "messages"),
         count_violation("logit_bias", sizes.logit_bias, limits.max_logit_bias_entries, "entries"),
         count_violation("stop", sizes.stop, limits.max_stop_strings, "stop strings"),
+        count_violation("tools", sizes.tools, MAX_TOOLS, "tools"),
     ):
         if violation is not None:
             found.append(violation)
@@ -118,4 +121,5 @@ def spec_sizes(spec: RequestSpec, idempotency_key: str = "") -> RequestSizes:
         token_ids=None if spec.token_ids is None else len(spec.token_ids),
         logit_bias=len(spec.logit_bias),
         stop=len(spec.stop),
+        tools=len(spec.tools),
     )

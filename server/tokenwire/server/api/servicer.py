@@ -15,6 +15,7 @@ from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.generation_stream import GenerationStream
 from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.api.stream import StreamCaps, StreamSession
+from tokenwire.server.api.tool_output import ToolOutput
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
 from tokenwire.server.telemetry.requests import RequestTelemetry
@@ -75,7 +76,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if isinstance(event, Failed):
             await errors.abort(context, event.error)
         assert isinstance(event, Completed)
-        return convert.generate_response(event.result)
+        return convert.generate_response(event.result, tools=ToolOutput(admitted.tool_calling))
 
     async def StreamGenerate(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: Context

@@ -5,7 +5,11 @@ A Lark grammar in llguidance's dialect, compiled and enforced like any response 
 output is calls in the model's own format (text/tools.py) and nothing else, each call's name one
 of the tools and its arguments valid against that tool's schema (inlined as `%json`). The call
 object's keys come in a fixed order, the name first, so a reader can stream the arguments as they
-are generated. With parallel calls allowed, `required` permits up to MAX_PARALLEL_CALLS calls.
+are generated, and in the layout of response formats (one space after each ',' and ':', no other
+whitespace). An arguments object whose schema leaves `additionalProperties` unset holds only the
+properties the schema names: still valid against it, and it keeps a small model from inventing
+keys until its token limit. With parallel calls allowed, `required` permits up to
+MAX_PARALLEL_CALLS calls.
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from typing import Any
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat
 from tokenwire.server.text.tools import ToolCallFormat, ToolCalling, ToolChoiceMode, ToolDefinition
 
+LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+"""Response formats' JSON layout (sampling/constraint.py), for the schemas inlined here."""
 MAX_PARALLEL_CALLS = 8
 """Most calls a forced output may hold: a small model may otherwise repeat calls to its limit."""
 
@@ -41,9 +47,15 @@ def tool_format(calling: ToolCalling, *, mistral_marker_id: int | None = None) -
         tools = calling.tools
         most = MAX_PARALLEL_CALLS if calling.parallel else 1
     key = calling.format.arguments_key
-    one_call = {"anyOf": [_call_schema(tool, key) for tool in tools]}
+    one_call = {"anyOf": [_call_schema(tool, key) for tool in tools], "x-guidance": LAYOUT}
     if calling.format is ToolCallFormat.MISTRAL:
-        listed: dict[str, Any] = {"type": "array", "items": one_call, "minItems": 1, "maxItems": most}
+        listed: dict[str, Any] = {
+            "type": "array",
+            "items": {"anyOf": one_call["anyOf"]},
+            "minItems": 1,
+            "maxItems": most,
+            "x-guidance": LAYOUT,
+        }
         marker = f"<[{mistral_marker_id}]> " if mistral_marker_id is not None else ""
         grammar = f"start: {marker}calls\ncalls: %json {json.dumps(listed)}\n"
     else:
@@ -61,9 +73,12 @@ def tool_format(calling: ToolCalling, *, mistral_marker_id: int | None = None) -
 
 
 def _call_schema(tool: ToolDefinition, key: str) -> dict[str, Any]:
+    arguments = json.loads(tool.parameters)
+    if isinstance(arguments, dict) and "properties" in arguments and "additionalProperties" not in arguments:
+        arguments = {**arguments, "additionalProperties": False}
     return {
         "type": "object",
-        "properties": {"name": {"const": tool.name}, key: json.loads(tool.parameters)},
+        "properties": {"name": {"const": tool.name}, key: arguments},
         "required": ["name", key],
         "additionalProperties": False,
     }
