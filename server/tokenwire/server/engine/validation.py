@@ -349,7 +349,9 @@ class RequestValidator:
             found.append(FieldViolation("tool_choice", f"{choice.mode.value} needs tools to call"))
         elif choice.mode is ToolChoiceMode.NAMED and choice.name not in names:
             found.append(
-                FieldViolation("tool_choice", f"names {excerpt(choice.name)!r}, which is not a tool")
+                FieldViolation(
+                    "tool_choice", f"names {excerpt(choice.name)!r}, which is not one of the tools"
+                )
             )
         if forced and spec.tools and spec.response_format is not None:
             found.append(

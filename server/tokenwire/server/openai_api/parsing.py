@@ -153,7 +153,9 @@ class ParsedRequest:
         if renamed is None:
             return name
         if head == "response_format":
-            return renamed  # the schema's own path, whatever the kind's name in the engine
+            # The schema's own path, whatever the kind's name in the engine; the whole parameter
+            # (combined with something it cannot be) is itself.
+            return renamed if rest else head
         return renamed + rest
 
 
