@@ -154,11 +154,8 @@ class Admission:
             sizes = message.sizes
             # Only the id and model first: the rest may be huge, and is bounded before it is read.
             record.describe(RequestSpec(request_id=sizes.request_id, model=sizes.model))
-            try:
-                request_bounds.check_before_model(sizes, self._limits)
-                spec = message.convert()
-            except GenerationError as error:
-                raise message.name_fields(error) from None
+            request_bounds.check_before_model(sizes, self._limits)
+            spec = message.convert()
             if self._gateway is not None:
                 spec = replace(spec, priority=self._gateway.priority(metadata, spec.priority))
             if live_ids is None and not spec.request_id:
@@ -185,10 +182,7 @@ class Admission:
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
-            try:
-                request_bounds.check_against_model(sizes, self._limits, served.model.info.context_length)
-            except GenerationError as error:
-                raise message.name_fields(error) from None
+            request_bounds.check_against_model(sizes, self._limits, served.model.info.context_length)
             # A request the queue would refuse whatever its prompt is refused before its prompt
             # is tokenized: a flood over its share must not spend the cores the others need.
             served.engine.check_room(caller)
@@ -201,13 +195,10 @@ class Admission:
                     require_request_id=live_ids is not None,
                 )
 
-            try:
-                if _small(spec):
-                    request = validate()
-                else:
-                    request = await asyncio.get_running_loop().run_in_executor(self._workers, validate)
-            except GenerationError as error:
-                raise message.name_fields(error) from None
+            if _small(spec):
+                request = validate()
+            else:
+                request = await asyncio.get_running_loop().run_in_executor(self._workers, validate)
             request = replace(request, caller=caller)
             calling = served.validator.tool_calling(spec)
             if idempotency_key is None or self._generations is None:
@@ -246,8 +237,10 @@ class Admission:
                 tool_calling=calling,
             )
         except GenerationError as error:
-            record.refused(error)
-            raise
+            # Every refusal names its fields in the edge's own terms, whichever step refused it.
+            named = message.name_fields(error)
+            record.refused(named)
+            raise named from None
         except asyncio.CancelledError:  # the call went away while its request was being validated
             record.left(AbortReason.DISCONNECTED, reached_engine=False)
             raise

@@ -27,7 +27,7 @@ from typing import Any
 
 from tokenwire.server.api.admission import AdmissionInput
 from tokenwire.server.api.request_bounds import spec_sizes
-from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError, excerpt
+from tokenwire.server.engine.errors import FieldViolation, GenerationError, excerpt
 from tokenwire.server.engine.types import Priority
 from tokenwire.server.engine.validation import RequestSpec
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat
@@ -134,9 +134,20 @@ class ParsedRequest:
         return AdmissionInput(spec_sizes(spec, key or ""), lambda: spec, self.name_fields, key)
 
     def name_fields(self, error: GenerationError) -> GenerationError:
-        """`error` from the validator, its violations named by OpenAI parameter."""
-        if error.kind is not ErrorKind.INVALID_ARGUMENT or not error.violations or error.reason is not None:
+        """`error` from admission, its violations named by OpenAI parameter (or header)."""
+        if not error.violations:
             return error
+        if error.reason is not None:  # a reasoned refusal keeps its message; its field is renamed
+            return GenerationError(
+                error.kind,
+                error.message,
+                violations=tuple(
+                    FieldViolation(self._rename(v.field), v.description) for v in error.violations
+                ),
+                retry_after=error.retry_after,
+                reason=error.reason,
+                omitted_violations=error.omitted_violations,
+            )
         return GenerationError.invalid(
             *(FieldViolation(self._rename(v.field), v.description) for v in error.violations),
             omitted=error.omitted_violations,
