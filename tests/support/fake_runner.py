@@ -164,6 +164,11 @@ class FollowingRunner(FixedLogitsRunner):
 
     follows: dict[int, int] = field(default_factory=dict)
     can_decode_runs: bool = True
+    run_call_seconds: float = 0.0
+    """Added to a `decode_runs` call's time for each run longer than one token: a real runner
+    verifies each such run in a model call of its own."""
+    run_position_seconds: float = 0.0
+    """Added for each position of those runs."""
     kv: dict[int, list[int]] = field(default_factory=dict)
     runs: list[tuple[int, ...]] = field(default_factory=list)
     """The run length of every row, per `decode_runs` call."""
@@ -187,6 +192,11 @@ class FollowingRunner(FixedLogitsRunner):
         self.decodes.append(tuple(seq_ids))
         self.runs.append(tuple(len(run) for run in runs))
         self._take_time()
+        if self.clock is not None:
+            long_runs = [len(run) for run in runs if len(run) > 1]
+            self.clock.advance(
+                self.run_call_seconds * len(long_runs) + self.run_position_seconds * sum(long_runs)
+            )
         for seq_id, run in zip(seq_ids, runs, strict=True):
             self._append(seq_id, run)
         return [self._predict(run) for run in runs]

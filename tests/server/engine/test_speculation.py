@@ -14,12 +14,18 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Callable
+from typing import cast
 
 import pytest
 
 from tests.support.fake_runner import FollowingRunner, ManualClock
 from tokenwire.server.engine.engine import Engine, EngineConfig
-from tokenwire.server.engine.speculation import ADAPTIVE_WINDOW, PAUSE_STEPS
+from tokenwire.server.engine.speculation import (
+    ADAPTIVE_WINDOW,
+    PAUSE_STEPS,
+    DraftHistory,
+    record_verification,
+)
 from tokenwire.server.engine.types import (
     Completed,
     EngineEvent,
@@ -47,6 +53,8 @@ class Bench:
         max_batch: int = 2,
         follows: dict[int, int] | None = None,
         eos: frozenset[int] = frozenset(),
+        run_call_seconds: float = 0.0,
+        run_position_seconds: float = 0.0,
     ) -> None:
         self.clock = ManualClock()
         self.runner = FollowingRunner(
@@ -56,6 +64,8 @@ class Bench:
             eos_token_ids=eos,
             clock=self.clock,
             step_seconds=0.01,
+            run_call_seconds=run_call_seconds,
+            run_position_seconds=run_position_seconds,
         )
         config = EngineConfig(
             max_batch_size=4,
@@ -231,20 +241,17 @@ def test_a_request_whose_drafts_keep_failing_stops_drafting_then_tries_again() -
 
 
 def test_a_verification_that_passes_after_a_pause_ends_the_streak() -> None:
-    from tokenwire.server.engine.speculation import SpeculationSettings, Speculator
-
-    speculator = Speculator(SpeculationSettings(tokens=4, max_batch=1))
+    history = DraftHistory()
     for _ in range(ADAPTIVE_WINDOW):
-        speculator.record(1, drafted=4, accepted=0)
-    history = speculator._history[1]
+        record_verification(history, drafted=4, accepted=0)
     assert history.paused_for == PAUSE_STEPS
     history.paused_for = 0
-    speculator.record(1, drafted=4, accepted=0)
+    record_verification(history, drafted=4, accepted=0)
     assert history.paused_for == 2 * PAUSE_STEPS
     history.paused_for = 0
-    speculator.record(1, drafted=4, accepted=3)
+    record_verification(history, drafted=4, accepted=3)
     assert history.failures == 0 and history.paused_for == 0
-    speculator.record(1, drafted=4, accepted=0)
+    record_verification(history, drafted=4, accepted=0)
     assert history.paused_for == 0, "judged over a window again"
 
 
@@ -315,15 +322,13 @@ def test_speculative_tokens_out_of_range_is_refused_at_start_naming_the_flag(val
 
 
 def test_a_request_with_a_response_format_does_not_draft() -> None:
-    from tokenwire.server.engine.output import RequestOutput
-    from tokenwire.server.engine.speculation import SpeculationSettings, Speculator
+    from concurrent.futures import Future
 
-    class AnyToken:
-        """A stand-in constraint: the speculator only asks whether a request has one."""
+    from tokenwire.server.engine.request import Request
+    from tokenwire.server.engine.speculation import SpeculationSettings, draft_limits
+    from tokenwire.server.sampling.constraint import CompiledFormat
 
-        error = None
-
-    def output(constraint: object | None) -> RequestOutput:
+    def decoding(response_format: Future[CompiledFormat] | None) -> Request:
         request = GenerationRequest(
             request_id="r",
             model="fake",
@@ -332,20 +337,14 @@ def test_a_request_with_a_response_format_does_not_draft() -> None:
             stopping=StopConditions(max_new_tokens=20),
             received_at=0.0,
         )
-        made = RequestOutput(
-            request=request,
-            tokenizer=TOKENIZER,
-            eos_token_ids=frozenset(),
-            context_length=256,
-            started_at=0.0,
-        )
-        made.output_ids.append(B)
-        made.constraint = constraint  # type: ignore[assignment]
-        return made
+        return Request(1, request, lambda _: None, response_format)
 
-    speculator = Speculator(SpeculationSettings(tokens=4, max_batch=2))
-    assert speculator.drafts([1], [output(None)]) == [[C, D, E, A]]
-    assert speculator.drafts([2], [output(AnyToken())]) is None
+    compiled: Future[CompiledFormat] = Future()
+    compiled.set_result(cast(CompiledFormat, object()))  # the rule only asks whether there is one
+    rows = [decoding(None), decoding(compiled)]
+    settings = SpeculationSettings(tokens=4, max_batch=2)
+
+    assert draft_limits(settings, rows, [True, True], context_length=256) == (4, 0)
 
 
 def test_a_cancel_lands_at_the_next_step_boundary_with_every_token_of_the_steps_before() -> None:
@@ -364,3 +363,28 @@ def test_a_cancel_lands_at_the_next_step_boundary_with_every_token_of_the_steps_
     assert list(result.token_ids) == before == bench.streamed("r")
     assert bench.engine.stats.max_abort_latency_steps <= 1
     assert bench.keys["r"] not in bench.runner.kv, "its KV cache is freed at once"
+
+
+def test_a_stream_sharing_steps_with_a_speculating_one_is_slowed_by_at_most_a_quarter() -> None:
+    # A verification is a model call of its own: 10 ms, and 1 ms a position, on top of a 10 ms
+    # step. Unbounded, the attacker's drafts (its prompt repeats what the model says) would make
+    # every step 2.5 times as long for its neighbour.
+    def neighbour_time_per_token(speculative_tokens: int) -> tuple[float, Bench]:
+        bench = Bench(
+            speculative_tokens=speculative_tokens, run_call_seconds=0.01, run_position_seconds=0.001
+        )
+        bench.submit("attacker", [A, B, C, D, E, A, B, C, D, E, A], tokens=120)
+        # The neighbour samples (seeded) from the fake model's nearly flat distribution, so its
+        # own drafts almost never match and it keeps to plain steps.
+        bench.submit("neighbour", [X, X], tokens=60, sampling=SamplingParams(temperature=1.0, seed=7))
+        bench.run()
+        per_token = bench.result("neighbour").timing.time_per_output_token
+        assert per_token is not None
+        return per_token, bench
+
+    plain, off = neighbour_time_per_token(0)
+    shared, on = neighbour_time_per_token(4)
+
+    assert on.result("neighbour").token_ids == off.result("neighbour").token_ids
+    assert on.engine.stats.accepted_draft_tokens > 0, "the attacker still speculates, within its share"
+    assert shared / plain <= 1.25 + 0.05, (shared, plain)

@@ -1,12 +1,16 @@
-"""Carries out a round's plan on the model: prompt chunks, a decode step, sampling, outputs, endings.
+"""Carries out a round's plan on the model: copies, prompt chunks, a decode step, sampling, endings.
 
-The engine core is the mechanism under the scheduler's policy. For each plan it ends the
-requests the plan ends, swaps the planned generation out and the admitted ones in, runs the
-prompt work within its budget (with prefix-cache copies through kv_reuse.py), runs one batched
-decode step (verifying the rows' speculative drafts in it, through speculation.py), samples a
-token per row, updates each request's output (detokenizer, stop strings,
-log-probabilities) and finishes the requests that are done. It answers with what it did
-(plan.RoundOutcome). Every request leaves through `finish`, which emits its terminal event.
+The engine core is the mechanism under the scheduler's policy and decides nothing: the plan names
+every request that ends, the generation swapped out and the requests admitted (new, resumed or
+forked), every prompt chunk (with the cached prefix copied in first) and every decode row with
+the most drafts it may verify. The core runs that on the runner, samples a token per row,
+updates each request's output (detokenizer, stop strings, log-probabilities) and finishes the
+requests that are done. Where the plan cannot run as written (a copy into a slot fails), the core
+leaves that request's planned work out of the round and says so in its outcome (plan.RoundOutcome),
+with what finished, what the verifications kept and what the model calls cost.
+
+Every request leaves through `finish`, which emits its terminal event and hands the record back
+to the scheduler to drop.
 
 Used from the engine thread only.
 """
@@ -15,9 +19,9 @@ from __future__ import annotations
 
 import functools
 import logging
-import math
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -26,10 +30,19 @@ from tokenwire.server.engine.format_cache import invalid_format
 from tokenwire.server.engine.kv_reuse import KvReuse
 from tokenwire.server.engine.observer import EngineObserver
 from tokenwire.server.engine.output import RequestOutput, timing_report
-from tokenwire.server.engine.pacing import chunk_length
-from tokenwire.server.engine.plan import Abort, Finished, RoundOutcome, RoundPlan
-from tokenwire.server.engine.request import Request
-from tokenwire.server.engine.speculation import Describe, SpeculationSettings, Speculator, verify_run
+from tokenwire.server.engine.plan import (
+    Abort,
+    Admission,
+    DecodeRow,
+    Entry,
+    Finished,
+    PromptChunk,
+    RoundOutcome,
+    RoundPlan,
+    Verification,
+)
+from tokenwire.server.engine.request import Request, RequestStatus
+from tokenwire.server.engine.speculation import OFF, SpeculationSettings
 from tokenwire.server.engine.stats import EngineStats
 from tokenwire.server.engine.types import (
     Completed,
@@ -43,6 +56,7 @@ from tokenwire.server.engine.types import (
     TokenLogprobs,
     TokensGenerated,
 )
+from tokenwire.server.engine.verification import Describe, DraftProposer, runs_speculation, verify_run
 from tokenwire.server.models.runner import ModelRunner, MultiTokenDecode
 from tokenwire.server.sampling.constraint import MaskWorkspace
 from tokenwire.server.sampling.logprobs import token_logprob
@@ -52,6 +66,20 @@ from tokenwire.server.text.tokenizer import Tokenizer
 log = logging.getLogger(__name__)
 
 Emit = Callable[[EventSink, EngineEvent], None]
+
+
+@dataclass(frozen=True)
+class CoreHooks:
+    """How the core reaches the engine around it."""
+
+    emit: Emit
+    """Queues an event for delivery."""
+    flush: Callable[[], None]
+    """Delivers what is queued."""
+    drop: Callable[[Request], None]
+    """Hands an ended request back to the scheduler, which drops its record."""
+    publish_step: Callable[[int], None]
+    """Tells the engine the count of decode steps, for the aborts to carry."""
 
 
 class EngineCore:
@@ -64,284 +92,264 @@ class EngineCore:
         stats: EngineStats,
         observer: EngineObserver,
         masks: MaskWorkspace | None,
-        emit: Emit,
-        flush: Callable[[], None],
-        forget: Callable[[int], None],
-        publish_step: Callable[[int], None],
+        hooks: CoreHooks,
         clock: Callable[[], float] = time.monotonic,
-        speculation: SpeculationSettings | None = None,
+        speculation: SpeculationSettings = OFF,
     ) -> None:
-        """`emit` queues an event for delivery and `flush` delivers what is queued; `forget` tells
-        the engine a request has ended; `publish_step` tells it the count of decode steps.
-        `speculation` is honoured only on a runner that can decode runs of tokens."""
+        """Drafts are verified only on a runner that can decode runs of tokens."""
         self._runner = runner
         self._tokenizer = tokenizer
         self._kv = kv
         self._stats = stats
         self._observer = observer
         self._masks = masks
-        self._emit = emit
-        self._flush = flush
-        self._forget = forget
-        self._publish_step = publish_step
+        self._emit, self._flush, self._drop = hooks.emit, hooks.flush, hooks.drop
+        self._publish_step = hooks.publish_step
         self._clock = clock
         self._model = runner.info.name
-        self._outputs: dict[int, RequestOutput] = {}
-        """The output of every request that has started, swapped-out ones included."""
-        self._outcome = RoundOutcome()
         self._multi: MultiTokenDecode | None = None
-        if isinstance(runner, MultiTokenDecode) and runner.can_decode_runs:
+        self._proposer: DraftProposer | None = None
+        if runs_speculation(runner, speculation):
+            assert isinstance(runner, MultiTokenDecode)
             self._multi = runner
-        self._speculator = Speculator(
-            speculation if speculation is not None and self._multi is not None else SpeculationSettings(0, 1)
-        )
+            self._proposer = DraftProposer(speculation)
 
     def execute(self, plan: RoundPlan) -> RoundOutcome:
-        self._outcome = outcome = RoundOutcome()
+        outcome = RoundOutcome()
         for ending in plan.endings:
-            self.finish(plan.requests[ending.key], ending.end, plan.now, abort=ending.abort)
-        skipped = self._preempt(plan)
-        forked: list[Request] = []
-        for key in plan.admitted:
-            if key not in skipped and self._admit(plan.requests[key], plan.now):
-                forked.append(plan.requests[key])
-        continuing = self._run_prompts(plan, skipped)
+            outcome.finished.append(
+                self.finish(plan.requests[ending.key], ending.end, plan.now, abort=ending.abort)
+            )
+        self._preempt(plan, outcome)
+        for admission in plan.admitted:
+            if admission.key not in outcome.skipped:
+                self._admit(plan.requests[admission.key], admission, plan.now, outcome)
+        for chunk in plan.prompts:
+            request = plan.requests[chunk.key]
+            if not request.finished and chunk.key not in outcome.skipped:
+                self._run_chunk(request, chunk, outcome)
         # First tokens go out now rather than after the decode step: that step's time is not
         # part of these requests' time to first token.
         self._flush()
-        rows = [plan.requests[key] for key in plan.decode if key in self._outputs and key not in skipped]
-        preemption = plan.preemption
-        if outcome.preemption_failed and preemption is not None and not preemption.prefilling:
-            rows.append(plan.requests[preemption.victim])  # it keeps its slot and decodes on
-        # Completions that copied their prompt decode on like prompts done this round.
-        continuing.extend(r for r in forked if r.key in self._outputs)
-        self._decode([*rows, *continuing])
+        self._decode(self._decode_rows(plan, outcome), plan, outcome)
         return outcome
 
-    def _preempt(self, plan: RoundPlan) -> set[int]:
-        """Swap the plan's victim out; the keys to leave alone this round if that fails."""
+    def _preempt(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
+        """Swap the plan's victim out; should that fail, its beneficiary sits the round out."""
         preemption = plan.preemption
         if preemption is None:
-            return set()
+            return
         victim = plan.requests[preemption.victim]
-        if not self._kv.swap_out(victim.key, preemption.positions):
-            self._outcome.preemption_failed = True
-            return {preemption.beneficiary}
+        if not self._kv.swap_out(victim, preemption.positions):
+            outcome.preemption_failed = True
+            outcome.skipped.add(preemption.beneficiary)
+            return
         self._runner.release(victim.key)
         self._stats.preemptions += 1
         self._observer.preempted(model=self._model, caller=victim.caller.name)
-        return set()
 
-    def _admit(self, request: Request, now: float) -> bool:
-        """Into a slot: a swapped-out request's rows go back, a new one's output begins. True for
-        a completion that copied its fork's prompt and has its first token."""
-        if request.key in self._outputs:  # swapped out: its rows go back into a slot
+    def _admit(self, request: Request, admission: Admission, now: float, outcome: RoundOutcome) -> None:
+        """Into a slot: a swapped-out request's rows go back; a new one's output begins; a forked
+        one copies its group's prompt and samples its first token."""
+        if admission.entry is Entry.RESUMED:
             try:
-                self._kv.swap_in(request.key)
+                self._kv.swap_in(request)
             except Exception as error:
-                log.exception("swapping in request %s failed", request.spec.request_id)
+                log.exception("swapping in request %s failed", request.submitted.request_id)
                 self._stats.step_failures += 1
-                self.finish(request, _model_error(error), now)
-                return False
+                outcome.finished.append(self.finish(request, _model_error(error), now))
+                return
             self._stats.resumptions += 1
-            return False
+            return
         constraint = None
         if request.response_format is not None:
             constraint = request.response_format.result().constraint()
         info = self._runner.info
-        self._outputs[request.key] = RequestOutput(
-            request=request.spec,
+        request.output = RequestOutput(
+            request=request.submitted,
             tokenizer=self._tokenizer,
             eos_token_ids=info.eos_token_ids,
             context_length=info.context_length,
             started_at=now,
             constraint=constraint,
         )
-        self._emit(request.sink, Started(now - request.spec.received_at, request.prompt_length))
-        return request.copies_prompt and self._fork(request, now)
+        self._emit(request.sink, Started(now - request.submitted.received_at, request.prompt_length))
+        if admission.entry is Entry.FORKED:
+            self._fork(request, now, outcome)
 
-    def _fork(self, request: Request, now: float) -> bool:
-        """Start a completion from the prompt its fork's source prefilled, and sample its first
-        token from the logits kept with it; False if it failed (and is finished)."""
+    def _fork(self, request: Request, now: float, outcome: RoundOutcome) -> None:
+        """Start a completion from the prompt its group's source prefilled, and sample its first
+        token from the logits kept with it."""
         began = self._clock()
         try:
-            logits = self._kv.fork_prompt(request.key)
+            logits = self._kv.fork_prompt(request)
         except Exception as error:
-            log.exception("copying the prompt of request %s failed", request.spec.request_id)
+            log.exception("copying the prompt of request %s failed", request.submitted.request_id)
             self._stats.step_failures += 1
-            self.finish(request, _model_error(error), now)
-            return False
+            outcome.finished.append(self.finish(request, _model_error(error), now))
+            return
         self._stats.forked_prompt_tokens += request.prompt_length
-        self._outcome.prompt_positions[request.key] = request.prompt_length
-        self._outcome.first_tokens.append(request.key)
         copied = self._clock()
-        self._outputs[request.key].prefill_seconds += copied - began
-        self._accept_tokens([request], logits[np.newaxis, :], copied)
-        return True
+        output = _output(request)
+        output.prefill_seconds += copied - began
+        self._accept_tokens([request], logits[np.newaxis, :], copied, outcome)
 
-    def _keep_prompt(self, request: Request, logits: np.ndarray) -> None:
-        """A fork's source has its whole prompt in: keep it for the completions that copy it."""
-        assert request.fork is not None
-        kept = self._kv.keep_prompt(request.key, request.prompt_length, logits, request.fork.live_followers())
-        self._outcome.prompts_kept[request.key] = kept
-
-    def _run_prompts(self, plan: RoundPlan, skipped: set[int]) -> list[Request]:
-        """Spend the round's prompt budget in the plan's order; the requests whose prompt is done
-        and that decode on."""
-        work = plan.prompts
-        budget = work.budget
-        continuing: list[Request] = []
-        for key in work.order:
-            if budget <= 0:
-                break
-            request = plan.requests[key]
-            if key in skipped or key not in self._outputs:
-                continue
-            done, budget = self._prefill(request, budget, work.chunk_size)
-            if done and request.key in self._outputs:
-                continuing.append(request)
-                if math.isinf(budget):
-                    # Streams decode from now on: the prompts behind it are paced.
-                    budget = work.paced_budget
-        return continuing
-
-    def _prefill(self, request: Request, budget: float, chunk_size: int) -> tuple[bool, float]:
-        """Run chunks of one prompt while the budget lasts; whether the prompt is done, and the
-        budget left. A prompt done gets its first token at once."""
-        output = self._outputs[request.key]
-        prompt = request.spec.prompt_ids
-        positions = self._outcome.prompt_positions
-        key = request.key
-        while budget > 0:
-            own_work_began = self._clock()
-            start = request.computed_tokens + positions.get(key, 0)
-            if not self._kv.looked_up(key):
-                loaded = self._kv.load_prefix(key, prompt, tenant=request.caller.tenant)
-                if loaded:
-                    output.cached_prompt_tokens = loaded
-                    positions[key] = positions.get(key, 0) + loaded
-                    start += loaded
-            chunk = prompt[start : start + chunk_length(len(prompt) - start, int(min(budget, chunk_size)))]
-            began = self._clock()
-            try:
-                logits = self._runner.prefill(key, chunk, start=start)
-            except Exception as error:
-                log.exception("prefill failed for request %s", request.spec.request_id)
-                self._stats.step_failures += 1
-                self.finish(request, _model_error(error), self._clock())
-                return False, budget
+    def _run_chunk(self, request: Request, chunk: PromptChunk, outcome: RoundOutcome) -> None:
+        """One prompt chunk, after copying in the cached prefix the plan names. The chunk that
+        ends the prompt samples the request's first token, which leaves at once."""
+        output = _output(request)
+        own_work_began = self._clock()
+        if chunk.cached:
+            if not self._kv.load_prefix(request):
+                outcome.skipped.add(request.key)  # it prefills from the start next round
+                return
+            output.cached_prompt_tokens = chunk.cached
+        prompt = request.prompt_ids
+        began = self._clock()
+        try:
+            logits = self._runner.prefill(request.key, prompt[chunk.start : chunk.end], start=chunk.start)
+        except Exception as error:
+            log.exception("prefill failed for request %s", request.submitted.request_id)
+            self._stats.step_failures += 1
+            outcome.finished.append(self.finish(request, _model_error(error), self._clock()))
+            return
+        now = self._clock()
+        self._stats.prefill_chunks += 1
+        self._stats.prefill_tokens += chunk.length
+        self._observer.prefill_chunk(model=self._model, tokens=chunk.length, seconds=now - began)
+        outcome.prompt_chunks.append((chunk.length, now - began))
+        if self._kv.caches_prefixes:
+            self._kv.cache_prompt(request, chunk.end)
             now = self._clock()
-            self._stats.prefill_chunks += 1
-            self._stats.prefill_tokens += len(chunk)
-            self._observer.prefill_chunk(model=self._model, tokens=len(chunk), seconds=now - began)
-            self._outcome.prompt_chunks.append((len(chunk), now - began))
-            budget -= len(chunk)
-            start += len(chunk)
-            positions[key] = positions.get(key, 0) + len(chunk)
-            if self._kv.caches_prefixes:
-                self._kv.cache_prompt(key, prompt, start)
-                now = self._clock()
-            # The prompt's own work: its model call and its cache copies, in and out.
-            output.prefill_seconds += now - own_work_began
-            if start >= len(prompt):
-                if request.keeps_prompt:
-                    self._keep_prompt(request, logits)  # before sampling, which may rewrite logits
-                self._outcome.first_tokens.append(key)
-                self._accept_tokens([request], logits[np.newaxis, :], now)
-                # Its first token leaves now, not after the round's other prompts.
-                self._flush()
-                return True, budget
-        return False, budget
+        # The prompt's own work: its model call and its cache copies, in and out.
+        output.prefill_seconds += now - own_work_began
+        if chunk.end < len(prompt):
+            return
+        if chunk.keep_for_group:  # before sampling, which may rewrite logits
+            outcome.prompts_kept[request.key] = self._kv.keep_prompt(request, logits)
+        self._accept_tokens([request], logits[np.newaxis, :], now, outcome)
+        # Its first token leaves now, not after the round's other prompts.
+        self._flush()
 
-    def _decode(self, rows: list[Request]) -> None:
+    def _decode_rows(self, plan: RoundPlan, outcome: RoundOutcome) -> list[tuple[Request, DecodeRow]]:
+        """The plan's decode rows still live (a row whose first token ended it does not decode),
+        with the preemption's victim when it kept its slot, after the rows that were decoding."""
+        rows = [
+            (plan.requests[row.key], row)
+            for row in plan.decode
+            if row.key not in outcome.skipped and not plan.requests[row.key].finished
+        ]
+        preemption = plan.preemption
+        if outcome.preemption_failed and preemption is not None and preemption.if_kept is not None:
+            at = sum(request.status is RequestStatus.DECODING for request, _ in rows)
+            rows.insert(at, (plan.requests[preemption.victim], preemption.if_kept))
+        return rows
+
+    def _decode(self, rows: list[tuple[Request, DecodeRow]], plan: RoundPlan, outcome: RoundOutcome) -> None:
         if not rows:
             return
-        outputs = [self._outputs[r.key] for r in rows]
-        drafts = self._speculator.drafts([r.key for r in rows], outputs)
+        requests = [request for request, _ in rows]
+        outputs = [_output(request) for request in requests]
+        keys = [request.key for request in requests]
+        drafts = self._drafts(rows, outputs)
         began = self._clock()
         try:
             if drafts is None:
-                logits = self._runner.decode([r.key for r in rows], [o.last_token for o in outputs])
+                logits = self._runner.decode(keys, [o.last_token for o in outputs])
             else:
                 assert self._multi is not None
                 runs = self._multi.decode_runs(
-                    [r.key for r in rows], [[o.last_token, *d] for o, d in zip(outputs, drafts, strict=True)]
+                    keys, [[o.last_token, *d] for o, d in zip(outputs, drafts, strict=True)]
                 )
         except Exception as error:
             log.exception("decode step failed for %d sequences", len(rows))
             self._stats.step_failures += 1
             now = self._clock()
-            for request in rows:
-                self.finish(request, _model_error(error), now)
+            outcome.finished.extend(self.finish(request, _model_error(error), now) for request in requests)
             return
         now = self._clock()
-        self._outcome.decode_seconds = now - began
-        self._outcome.decoded.extend(r.key for r in rows)
+        outcome.decode_seconds = now - began
         self._stats.decode_steps += 1
         self._stats.decoded_rows += len(rows)
         self._publish_step(self._stats.decode_steps)
         self._observer.decode_step(model=self._model, batch_size=len(rows), seconds=now - began)
         if drafts is None:
-            self._accept_tokens(rows, logits, now)
+            self._accept_tokens(requests, logits, now, outcome)
             return
         plain = [i for i, d in enumerate(drafts) if not d]
         if plain:
-            self._accept_tokens([rows[i] for i in plain], np.concatenate([runs[i] for i in plain]), now)
-        for request, row_drafts, row_logits in zip(rows, drafts, runs, strict=True):
+            self._accept_tokens(
+                [requests[i] for i in plain], np.concatenate([runs[i] for i in plain]), now, outcome
+            )
+        for request, row_drafts, row_logits in zip(requests, drafts, runs, strict=True):
             if row_drafts:
-                self._accept_run(request, row_logits, row_drafts, now)
+                self._accept_run(request, row_logits, row_drafts, now, outcome)
 
-    def _accept_run(self, request: Request, logits: np.ndarray, drafts: list[int], now: float) -> None:
+    def _drafts(
+        self, rows: list[tuple[Request, DecodeRow]], outputs: list[RequestOutput]
+    ) -> list[list[int]] | None:
+        """Each row's drafts, at most the plan's count ([] for a row that does not speculate);
+        None when no row has any."""
+        if self._proposer is None:
+            return None
+        proposer = self._proposer
+        drafts = [
+            proposer.propose(output, row.max_drafts) for (_, row), output in zip(rows, outputs, strict=True)
+        ]
+        return drafts if any(drafts) else None
+
+    def _accept_run(
+        self, request: Request, logits: np.ndarray, drafts: list[int], now: float, outcome: RoundOutcome
+    ) -> None:
         """Verify one row's drafts, emit the tokens it gained, roll back the rest of its run."""
         assert self._multi is not None
-        output = self._outputs[request.key]
-        top_n = request.spec.top_logprobs
+        output = _output(request)
         describe: Describe | None = None
-        if request.spec.logprobs:
-            describe = functools.partial(self._token_logprobs, top_n=top_n)
+        if request.submitted.logprobs:
+            describe = functools.partial(self._token_logprobs, top_n=request.submitted.top_logprobs)
         run = verify_run(output, logits, drafts, now, describe)
         if run.rollback:
             try:
                 self._multi.rollback(request.key, run.rollback)
             except Exception as error:
-                log.exception("rolling back drafts failed for request %s", request.spec.request_id)
+                log.exception("rolling back drafts failed for request %s", request.submitted.request_id)
                 self._stats.step_failures += 1
-                self.finish(request, _model_error(error), now)
+                outcome.finished.append(self.finish(request, _model_error(error), now))
                 return
-        self._speculator.record(request.key, drafted=len(drafts), accepted=run.accepted)
+        outcome.verified[request.key] = Verification(drafted=len(drafts), accepted=run.accepted)
         output.drafted_tokens += len(drafts)
         output.accepted_draft_tokens += run.accepted
         self._stats.speculative_rows += 1
         self._stats.draft_tokens += len(drafts)
         self._stats.accepted_draft_tokens += run.accepted
         self._observer.drafts_verified(model=self._model, drafted=len(drafts), accepted=run.accepted)
-        # The scheduler counts one token for every decoded row; these are the rest.
-        self._outcome.extra_tokens[request.key] = run.gained - 1
         self._emit(request.sink, run.event)
         if run.finish is not None:
-            self.finish(request, run.finish, now)
+            outcome.finished.append(self.finish(request, run.finish, now))
 
-    def _accept_tokens(self, rows: list[Request], logits: np.ndarray, now: float) -> None:
+    def _accept_tokens(
+        self, rows: list[Request], logits: np.ndarray, now: float, outcome: RoundOutcome
+    ) -> None:
         """Sample one token per row, emit it, and finish the rows that are done."""
-        outputs = [self._outputs[r.key] for r in rows]
+        outputs = [_output(r) for r in rows]
         # Sampling may rewrite logits in place (repetition penalty): keep the model's own
         # distribution for the rows that report log-probabilities.
-        raw = {i: logits[i].copy() for i, r in enumerate(rows) if r.spec.logprobs}
+        raw = {i: logits[i].copy() for i, r in enumerate(rows) if r.submitted.logprobs}
         tokens = pick_tokens(logits, [o.sampler for o in outputs], self._masks)
         for i, (request, output, token) in enumerate(zip(rows, outputs, tokens, strict=True)):
             token_logprobs = (
-                self._token_logprobs(raw[i], token, request.spec.top_logprobs) if i in raw else None
+                self._token_logprobs(raw[i], token, request.submitted.top_logprobs) if i in raw else None
             )
             step = output.add_token(token, now, token_logprobs)
             self._emit(request.sink, step.event)
             end: FinishReason | GenerationError | None = step.finish
             if end is None and output.constraint is not None and output.constraint.error is not None:
-                assert request.spec.response_format is not None
+                assert request.submitted.response_format is not None
                 end = invalid_format(
-                    request.spec.response_format, f"too costly to enforce: {output.constraint.error}"
+                    request.submitted.response_format, f"too costly to enforce: {output.constraint.error}"
                 )
             if end is not None:
-                self.finish(request, end, now)
+                outcome.finished.append(self.finish(request, end, now))
 
     def _token_logprobs(self, row: np.ndarray, token: int, top_n: int) -> TokenLogprobs:
         found = token_logprob(row, token, top_n)
@@ -357,16 +365,14 @@ class EngineCore:
 
     def finish(
         self, request: Request, end: FinishReason | GenerationError, now: float, *, abort: Abort | None = None
-    ) -> None:
+    ) -> Finished:
         """The one way a request leaves the engine: a result or a failure, started or not.
 
-        Emits its terminal event (with timing), frees its slot and KV rows, counts it and tells
-        the observer.
+        Emits its terminal event (with timing), frees its slot and KV rows, counts it, tells the
+        observer and hands the record back to the scheduler; what the scheduler's retry hint
+        learns from it is returned.
         """
-        output = self._outputs.pop(request.key, None)
-        self._speculator.forget(request.key)
-        if request.fork is not None:
-            request.fork.ended.add(request.key)
+        output = request.output
         if abort is not None:
             self._count_abort(abort, started=output is not None)
         prompt_tokens = request.prompt_length
@@ -384,7 +390,7 @@ class EngineCore:
             completion_tokens = len(output.output_ids)
         else:
             timing = timing_report(
-                received=request.spec.received_at,
+                received=request.submitted.received_at,
                 started=None,
                 first_token=None,
                 last_token=None,
@@ -392,15 +398,15 @@ class EngineCore:
                 tokens=0,
             )
             completion_tokens = 0
-        self._kv.release(request.key)
+        self._kv.release(request)
         event: TerminalEvent
         if isinstance(end, FinishReason):
             if output is not None:
                 result = output.result(end, now)
             else:
                 result = GenerationResult(
-                    request_id=request.spec.request_id,
-                    model=request.spec.model,
+                    request_id=request.submitted.request_id,
+                    model=request.submitted.model,
                     text="",
                     token_ids=(),
                     finish_reason=end,
@@ -421,8 +427,8 @@ class EngineCore:
             timing=timing,
             caller=request.caller.name,
         )
-        self._outcome.finished.append(Finished(request.key, service))
-        self._forget(request.key)
+        self._drop(request)
+        return Finished(request.key, service)
 
     def _count_abort(self, abort: Abort, *, started: bool) -> None:
         if abort.requested_at_step is None:
@@ -432,6 +438,11 @@ class EngineCore:
             latency = self._stats.decode_steps - abort.requested_at_step
             self._stats.max_abort_latency_steps = max(self._stats.max_abort_latency_steps, latency)
             self._stats.orphaned_steps += max(0, latency - 1)
+
+
+def _output(request: Request) -> RequestOutput:
+    assert request.output is not None, "a request in a slot has its output"
+    return request.output
 
 
 def _model_error(error: Exception) -> GenerationError:

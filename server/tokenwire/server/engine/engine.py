@@ -28,16 +28,16 @@ from dataclasses import dataclass, field, replace
 
 from tokenwire.server.engine.completions import CompletionGroup
 from tokenwire.server.engine.config import EngineConfig
-from tokenwire.server.engine.core import EngineCore
+from tokenwire.server.engine.core import CoreHooks, EngineCore
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.format_cache import FormatCache, invalid_format
 from tokenwire.server.engine.kv_reuse import KvReuse
 from tokenwire.server.engine.observer import EngineObserver, NullObserver
 from tokenwire.server.engine.plan import Abort
 from tokenwire.server.engine.prefix_cache import PrefixCacheStats
-from tokenwire.server.engine.request import PromptFork, Request
+from tokenwire.server.engine.request import CompletionSet, Request
 from tokenwire.server.engine.scheduler import Scheduler, SchedulerConfig
-from tokenwire.server.engine.speculation import SpeculationSettings, startup_note
+from tokenwire.server.engine.speculation import OFF, SpeculationSettings
 from tokenwire.server.engine.stats import EngineStats
 from tokenwire.server.engine.types import (
     AbortReason,
@@ -48,6 +48,7 @@ from tokenwire.server.engine.types import (
     RequestTicket,
     completion_seed,
 )
+from tokenwire.server.engine.verification import runs_speculation, startup_note
 from tokenwire.server.models.runner import ModelRunner
 from tokenwire.server.sampling.constraint import CompiledFormat, MaskWorkspace
 from tokenwire.server.text.tokenizer import Tokenizer
@@ -66,13 +67,6 @@ class _Inbox:
     """State shared between the event loop and the engine thread, guarded by the engine lock."""
 
     aborts: list[Abort] = field(default_factory=list)
-    live: set[int] = field(default_factory=set)
-    """Keys of the requests submitted and not yet finished."""
-    completions: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    """For a request that asked for n > 1, by its key: the keys of its completions (its own
-    first), until all have finished: aborting the request aborts them all."""
-    completion_of: dict[int, int] = field(default_factory=dict)
-    """The request key of each live completion in `completions`."""
     decode_steps: int = 0
     """The engine's count of completed decode steps, published for the aborts to carry."""
     rejected: int = 0
@@ -136,7 +130,11 @@ class Engine:
                 max_step_seconds=config.max_step_seconds,
                 batch_reserved_slots=config.batch_reserved_slots,
                 preemption=self._kv.can_swap,
-            )
+                context_length=runner.info.context_length,
+                speculation=speculation if runs_speculation(runner, speculation) else OFF,
+                prefix_block_tokens=self._kv.block_tokens,
+            ),
+            look_up_prefix=self._kv.look_up,
         )
         self._core = EngineCore(
             runner,
@@ -145,10 +143,7 @@ class Engine:
             stats=self._stats,
             observer=self._observer,
             masks=MaskWorkspace(runner.info.vocab_size, config.max_batch_size) if formats else None,
-            emit=self._emit,
-            flush=self._flush,
-            forget=self._forget,
-            publish_step=self._publish_step,
+            hooks=CoreHooks(self._emit, self._flush, self._drop, self._publish_step),
             clock=clock,
             speculation=speculation,
         )
@@ -200,7 +195,7 @@ class Engine:
             # n completions count as n requests against the queue (and their caller's share).
             refusal = self._scheduler.refusal(
                 request.caller,
-                live=len(self._inbox.live) + request.n - 1,
+                live=len(self._scheduler) + request.n - 1,
                 prompt_tokens=len(request.prompt_ids),
             )
             if refusal is not None:
@@ -212,10 +207,6 @@ class Engine:
             key = requests[0].key
             for each in requests:
                 self._scheduler.add(each)
-                self._inbox.live.add(each.key)
-            if len(requests) > 1:
-                self._inbox.completions[key] = tuple(r.key for r in requests)
-                self._inbox.completion_of.update((r.key, key) for r in requests)
             if self._idle is not None:
                 self._idle.clear()
             self._wakeup.notify()
@@ -229,7 +220,7 @@ class Engine:
         queue gives a caller over its share does not depend on the prompt, so a flood's refused
         requests cost no tokenizing. Raises the refusal `submit` would."""
         with self._lock:
-            refusal = self._scheduler.refusal(caller, live=len(self._inbox.live), prompt_tokens=1)
+            refusal = self._scheduler.refusal(caller, live=len(self._scheduler), prompt_tokens=1)
             if refusal is not None:
                 self._inbox.rejected += 1
                 raise refusal
@@ -242,9 +233,9 @@ class Engine:
         each prefills it). Completion i samples with its own seed (types.completion_seed)."""
         if request.n == 1:
             return [Request(next(self._keys), request, sink, compiled)]
-        keys = [next(self._keys) for _ in range(request.n)]
-        group = CompletionGroup(request.n, sink, functools.partial(self._stop_completions, keys[0]))
-        fork = PromptFork(source=keys[0], followers=tuple(keys[1:])) if self._kv.can_fork else None
+        keys = tuple(next(self._keys) for _ in range(request.n))
+        merged = CompletionGroup(request.n, sink, functools.partial(self._stop_completions, keys[0]))
+        group = CompletionSet(keys, shares_prompt=self._kv.can_fork)
         return [
             Request(
                 key,
@@ -252,9 +243,9 @@ class Engine:
                     request,
                     sampling=replace(request.sampling, seed=completion_seed(request.sampling.seed, i)),
                 ),
-                group.sink_for(i),
+                merged.sink_for(i),
                 compiled,
-                fork=fork,
+                group=group,
             )
             for i, key in enumerate(keys)
         ]
@@ -279,7 +270,7 @@ class Engine:
         """Stop a live request at the next step boundary (unknown or finished keys are ignored);
         every one of its completions, for a request that asked for n > 1."""
         with self._lock:
-            keys = [k for k in self._inbox.completions.get(key, (key,)) if k in self._inbox.live]
+            keys = self._scheduler.live_keys_of(key)
             if not keys:
                 return
             step = self._inbox.decode_steps
@@ -296,7 +287,7 @@ class Engine:
     @property
     def live_count(self) -> int:
         with self._lock:
-            return len(self._inbox.live)
+            return len(self._scheduler)
 
     @property
     def queue_depth(self) -> int:
@@ -315,7 +306,7 @@ class Engine:
     async def shutdown(self) -> None:
         """Fail every live request with UNAVAILABLE, then stop the engine thread."""
         with self._lock:
-            for key in self._inbox.live:
+            for key in self._scheduler.live_keys():
                 self._inbox.aborts.append(Abort(key, AbortReason.SHUTDOWN, requested_at_step=None))
             self._stopping = True
             self._wakeup.notify()
@@ -381,17 +372,13 @@ class Engine:
             try:
                 self._core.finish(request, error, now)
             except Exception:  # a broken runner must not keep the others from hearing
-                log.exception("failing request %s", request.spec.request_id)
-                self._forget(request.key)
+                log.exception("failing request %s", request.submitted.request_id)
         self._flush()
 
-    def _forget(self, key: int) -> None:
+    def _drop(self, request: Request) -> None:
+        """The core has ended a request: the scheduler drops its record."""
         with self._lock:
-            inbox = self._inbox
-            inbox.live.discard(key)
-            group = inbox.completion_of.pop(key, None)
-            if group is not None and not any(k in inbox.live for k in inbox.completions[group]):
-                del inbox.completions[group]
+            self._scheduler.finish(request)
 
     def _publish_step(self, steps: int) -> None:
         with self._lock:
@@ -421,7 +408,7 @@ class Engine:
         loop = self._loop
         batch, self._outbox = self._outbox, []
         with self._lock:
-            idle = not self._inbox.live
+            idle = not len(self._scheduler)
         if not batch:
             return
         if loop is None:  # never started: run_round delivers on the calling thread

@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Generic, Protocol, TypeVar
 
-from tokenwire.server.engine.shares import fair_share
+from tokenwire.server.engine.shares import fair_share, held_per_share
 from tokenwire.server.engine.types import Caller, Priority
 
 
@@ -118,8 +118,16 @@ class FairQueue(Generic[E]):
         name = entry.caller.name
         pass_ = level.passes[name]
         level.virtual_time = max(level.virtual_time, pass_)
-        level.passes[name] = pass_ + entry.work / max(entry.caller.weight, 1e-6)
+        level.passes[name] = pass_ + held_per_share(entry.work, entry.caller.weight)
         self._discard(level, name, entry)
+
+    def charge(self, caller: Caller, priority: Priority, work: int) -> None:
+        """Charge `caller`'s pass at `priority` for work done beyond what its requests' turns
+        paid for (drafts a verification rejected), as if a request of that much work had taken a
+        turn. A caller with nothing queued there has no pass: it rejoins at the virtual time."""
+        level = self._levels[priority]
+        if caller.name in level.passes:
+            level.passes[caller.name] += held_per_share(work, caller.weight)
 
     def remove(self, entry: E) -> None:
         level = self._levels[entry.priority]

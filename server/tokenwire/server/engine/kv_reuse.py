@@ -1,11 +1,15 @@
-"""KV rows kept beyond a slot: cached prompt prefixes and preempted generations.
+"""KV rows kept beyond a slot: cached prompt prefixes, preempted generations and forked prompts.
 
-The one user of the runners' KV row access (`KvRowAccess`): it copies a prompt's blocks into the
-prefix cache as they are prefilled and copies a cached prefix into a new request's slot instead
-of prefilling it; it copies a preempted generation's rows aside and back into a slot; and it
-keeps a prompt's rows and last logits for the other completions of a request that asked for
-n > 1, which copy them into their own slots. A runner whose cache lives on a device cannot copy
-rows: all of these are then off, said once at start (each completion prefills its prompt).
+The one user of the runners' KV row access (`KvRowAccess`): it looks prompts up in the prefix
+cache (for the scheduler, when a prompt is first planned), copies a cached prefix into a new
+request's slot instead of prefilling it, and copies a prompt's blocks into the cache as they are
+prefilled; it copies a preempted generation's rows aside and back into a slot; and it keeps a
+prompt's rows and last logits for the other completions of a request that asked for n > 1, which
+copy them into their own slots. What a request holds of all this lives in its record
+(`Request.kv`, and its group's `kept` prompt); nothing here is keyed by request.
+
+A runner whose cache lives on a device cannot copy rows: all of these are then off, said once at
+start (each completion prefills its prompt).
 
 Used from the engine thread only.
 """
@@ -13,41 +17,33 @@ Used from the engine thread only.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from tokenwire.server.engine.pacing import MIN_CHUNK
-from tokenwire.server.engine.prefix_cache import PrefixCache, PrefixCacheStats, PrefixLease
+from tokenwire.server.engine.prefix_cache import PrefixCache, PrefixCacheStats
+from tokenwire.server.engine.request import Request
 from tokenwire.server.models.runner import KvRowAccess, ModelRunner
 
 log = logging.getLogger(__name__)
 
-_NO_ROW_COPIES = "its runner cannot copy KV rows (a KV cache on a device)"
+KvRows = np.ndarray
+"""A copy of some positions of a sequence's KV cache, as `KvRowAccess.read_kv` returns it."""
 
 
 @dataclass
-class _KeptPrompt:
-    """A fork's prompt, kept until every follower has copied it or ended."""
+class KeptPrompt:
+    """A group's prompt, kept until every follower has copied it or ended."""
 
-    rows: np.ndarray
+    rows: KvRows
     logits: np.ndarray
     """The model's logits after the prompt's last token: each follower samples its first token."""
     waiting: set[int]
 
 
-@dataclass
-class _PromptCaching:
-    """One request's part in the prefix cache: the blocks it holds, and whether to offer more."""
-
-    lease: PrefixLease
-    full: bool = False
-    """The cache took no more of this prompt's blocks; stop offering them."""
-
-
 class KvReuse:
-    """Prefix-cache hits and inserts, and swapping preempted generations out and in."""
+    """Prefix-cache lookups, hits and inserts, swapping generations out and in, and forks."""
 
     def __init__(
         self,
@@ -80,16 +76,10 @@ class KvReuse:
                 f"preemption off for {name}: its runner cannot copy KV rows (a KV cache on a device)"
             )
         self._swapping = swapping and rows is not None
-        self._caching: dict[int, _PromptCaching] = {}
-        self._swapped: dict[int, np.ndarray | None] = {}
-        """Set-aside rows by request key; None for a prompt preempted before its first chunk."""
-        self._kept: dict[int, _KeptPrompt] = {}
-        """Forks' prompts by the key of the request that prefilled them."""
-        self._kept_for: dict[int, int] = {}
-        """Each waiting follower's fork source."""
+        self._kept_prompts = 0
         self.max_kept_prompts = max(1, runner.capacity())
-        """Most forks' prompts kept at once (each holds a prompt's rows): beyond it, the followers
-        of a fork prefill the prompt themselves."""
+        """Most groups' prompts kept at once (each holds a prompt's rows): beyond it, the followers
+        of a group prefill the prompt themselves."""
 
     @property
     def can_swap(self) -> bool:
@@ -101,43 +91,57 @@ class KvReuse:
         return self._rows is not None
 
     @property
-    def caches_prefixes(self) -> bool:
-        return self._cache is not None
+    def block_tokens(self) -> int:
+        """The prefix cache's block size; 0 when it is off."""
+        return self._cache.block_tokens if self._cache is not None else 0
 
     def prefix_stats(self) -> PrefixCacheStats | None:
         return self._cache.stats() if self._cache is not None else None
 
     # -- prefix cache ----------------------------------------------------------------------------
 
-    def looked_up(self, key: int) -> bool:
-        return key in self._caching
-
-    def load_prefix(self, key: int, prompt: Sequence[int], *, tenant: str) -> int:
-        """Start a request from the longest prefix of its prompt that `tenant`'s requests cached;
-        the tokens loaded (0: none). A tenant never finds another tenant's blocks."""
-        if self._cache is None or self._rows is None:
+    def look_up(self, request: Request) -> int:
+        """Lease the longest prefix of the request's prompt that its tenant's requests cached (a
+        tenant never finds another tenant's blocks); the tokens found (0: none)."""
+        if self._cache is None:
             return 0
         # At least MIN_CHUNK prompt tokens are left to prefill: the last one's logits are needed,
         # and a shorter chunk would compute them differently from a prefill without the cache.
-        lease = self._cache.lookup(prompt, limit=len(prompt) - MIN_CHUNK, tenant=tenant)
-        self._caching[key] = _PromptCaching(lease)
-        if not lease.tokens:
-            return 0
-        try:
-            return self._rows.start_from_kv(key, lease.kv())
-        except Exception:
-            log.exception("copying a cached prefix failed for request key %d", key)
-            self._cache.release(lease)  # it prefills from the start instead
-            self._caching[key] = _PromptCaching(lease, full=True)
-            return 0
+        prompt = request.prompt_ids
+        lease = self._cache.lookup(prompt, limit=len(prompt) - MIN_CHUNK, tenant=request.caller.tenant)
+        request.kv.prefix = lease
+        request.kv.prefix_tokens = lease.tokens
+        return lease.tokens
 
-    def cache_prompt(self, key: int, prompt: Sequence[int], prefilled: int) -> None:
+    def load_prefix(self, request: Request) -> bool:
+        """Copy the request's looked-up prefix into its slot; False if that failed (the lease is
+        let go: the request prefills its prompt from the start)."""
+        holding = request.kv
+        assert self._cache is not None and self._rows is not None and holding.prefix is not None
+        try:
+            loaded = self._rows.start_from_kv(request.key, holding.prefix.kv())
+        except Exception:
+            log.exception("copying a cached prefix failed for request %s", request.submitted.request_id)
+            loaded = -1
+        if loaded == holding.prefix_tokens:
+            return True
+        self._cache.release(holding.prefix)
+        holding.prefix_tokens = 0
+        holding.caching_stopped = True
+        return False
+
+    @property
+    def caches_prefixes(self) -> bool:
+        return self._cache is not None
+
+    def cache_prompt(self, request: Request, prefilled: int) -> None:
         """Copy the prompt's newly completed full blocks into the prefix cache, and once the whole
         prompt is in, its last partial block too (a chat's next turn resends the whole prompt)."""
-        caching = self._caching.get(key)
-        if self._cache is None or self._rows is None or caching is None or caching.full:
+        holding = request.kv
+        lease = holding.prefix
+        if self._cache is None or self._rows is None or lease is None or holding.caching_stopped:
             return
-        cache, rows, lease = self._cache, self._rows, caching.lease
+        cache, rows, key, prompt = self._cache, self._rows, request.key, request.prompt_ids
         size = cache.block_tokens
         have, full = len(lease.blocks), prefilled // size
         if full > have:
@@ -145,11 +149,11 @@ class KvReuse:
                 # One read per block: each block is its own array, freed on its own when evicted.
                 blocks = [rows.read_kv(key, i * size, (i + 1) * size) for i in range(have, full)]
             except Exception:
-                log.exception("caching the prompt of request key %d failed", key)
-                caching.full = True
+                log.exception("caching the prompt of request %s failed", request.submitted.request_id)
+                holding.caching_stopped = True
                 return
             if cache.extend(lease, prompt, blocks) < len(blocks):
-                caching.full = True  # the rest would not fit either
+                holding.caching_stopped = True  # the rest would not fit either
                 return
         length = len(prompt)
         if prefilled < length or length % size == 0 or len(lease.blocks) != length // size:
@@ -157,76 +161,83 @@ class KvReuse:
         try:
             tail = rows.read_kv(key, length // size * size, length)
         except Exception:
-            log.exception("caching the prompt of request key %d failed", key)
+            log.exception("caching the prompt of request %s failed", request.submitted.request_id)
             return
         cache.add_tail(lease, prompt, tail)
 
     # -- preemption ------------------------------------------------------------------------------
 
-    def swap_out(self, key: int, positions: int) -> bool:
+    def swap_out(self, request: Request, positions: int) -> bool:
         """Copy a request's first `positions` KV rows aside; False (it keeps its slot) on failure."""
         assert self._rows is not None, "swapping needs a runner that copies KV rows"
         if positions == 0:  # a prompt not yet begun: nothing to keep
-            self._swapped[key] = None
+            request.kv.swapped = None
             return True
         try:
-            self._swapped[key] = self._rows.read_kv(key, 0, positions)
+            request.kv.swapped = self._rows.read_kv(request.key, 0, positions)
         except Exception:
-            log.exception("swapping out request key %d failed; it keeps its slot", key)
+            log.exception("swapping out request %s failed; it keeps its slot", request.submitted.request_id)
             return False
         return True
 
-    def swap_in(self, key: int) -> None:
+    def swap_in(self, request: Request) -> None:
         """Copy a swapped-out request's rows back into its (new) slot. Raises on failure. A prompt
         set aside before its first chunk has none: its prefill starts the sequence afresh."""
         assert self._rows is not None, "swapping needs a runner that copies KV rows"
-        rows = self._swapped.pop(key)
+        rows, request.kv.swapped = request.kv.swapped, None
         if rows is not None:
-            self._rows.start_from_kv(key, [rows])
+            self._rows.start_from_kv(request.key, [rows])
 
     # -- forks (n completions) -------------------------------------------------------------------
 
-    def keep_prompt(self, source: int, length: int, logits: np.ndarray, followers: Sequence[int]) -> bool:
-        """Keep the first `length` rows of `source`'s cache (its whole prompt, just prefilled) and
-        the logits after it, for `followers` to copy; False when they cannot be kept (the
-        followers then prefill the prompt themselves)."""
-        if self._rows is None or not followers or len(self._kept) >= self.max_kept_prompts:
+    def keep_prompt(self, request: Request, logits: np.ndarray) -> bool:
+        """Keep the request's prompt rows (just prefilled) and the logits after it, for its
+        group's other completions to copy; False when they cannot be kept (the followers then
+        prefill the prompt themselves)."""
+        group = request.group
+        assert group is not None, "a prompt kept for a request without a group"
+        followers = group.live_followers()
+        if self._rows is None or not followers or self._kept_prompts >= self.max_kept_prompts:
             return False
         try:
-            rows = self._rows.read_kv(source, 0, length)
+            rows = self._rows.read_kv(request.key, 0, request.prompt_length)
         except Exception:
-            log.exception("keeping the prompt of request key %d for its other completions failed", source)
+            log.exception(
+                "keeping the prompt of request %s for its other completions failed",
+                request.submitted.request_id,
+            )
             return False
-        self._kept[source] = _KeptPrompt(rows, logits.copy(), set(followers))
-        self._kept_for.update((follower, source) for follower in followers)
+        group.kept = KeptPrompt(rows, logits.copy(), set(followers))
+        self._kept_prompts += 1
         return True
 
-    def fork_prompt(self, key: int) -> np.ndarray:
-        """Start follower `key` from its fork's kept prompt; the logits its first token is sampled
-        from (its own copy: sampling may rewrite them). Raises on failure."""
+    def fork_prompt(self, request: Request) -> np.ndarray:
+        """Start follower `request` from its group's kept prompt; the logits its first token is
+        sampled from (its own copy: sampling may rewrite them). Raises on failure."""
         assert self._rows is not None, "forks need a runner that copies KV rows"
-        source = self._kept_for[key]
-        kept = self._kept[source]
-        self._rows.start_from_kv(key, [kept.rows])
-        logits = kept.logits.copy()
-        self._done_waiting(key)
+        group = request.group
+        assert group is not None and group.kept is not None, "a fork without a kept prompt"
+        self._rows.start_from_kv(request.key, [group.kept.rows])
+        logits = group.kept.logits.copy()
+        self._done_waiting(request)
         return logits
 
-    def _done_waiting(self, key: int) -> None:
-        source = self._kept_for.pop(key, None)
-        if source is None:
+    def _done_waiting(self, request: Request) -> None:
+        group = request.group
+        kept = group.kept if group is not None else None
+        if kept is None or request.key not in kept.waiting:
             return
-        kept = self._kept[source]
-        kept.waiting.discard(key)
+        kept.waiting.discard(request.key)
         if not kept.waiting:
-            del self._kept[source]
+            group.kept = None  # type: ignore[union-attr]
+            self._kept_prompts -= 1
 
     # -- ending ----------------------------------------------------------------------------------
 
-    def release(self, key: int) -> None:
+    def release(self, request: Request) -> None:
         """A request ended: its cached blocks may be evicted again, and set-aside rows are dropped."""
-        caching = self._caching.pop(key, None)
-        if caching is not None and self._cache is not None:
-            self._cache.release(caching.lease)
-        self._swapped.pop(key, None)
-        self._done_waiting(key)  # a follower that ended before it copied its prompt
+        holding = request.kv
+        if holding.prefix is not None and self._cache is not None:
+            self._cache.release(holding.prefix)
+        holding.swapped = None
+        self._done_waiting(request)  # a follower that ended before it copied its prompt

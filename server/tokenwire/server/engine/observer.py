@@ -8,7 +8,8 @@ from tokenwire.server.engine.types import FinishReason, Outcome, TimingReport
 
 
 class EngineObserver(Protocol):
-    """Called from the engine thread; implementations must be quick and never raise."""
+    """Called from the engine thread; implementations must be quick and never raise. Each hook
+    does nothing unless an implementation overrides it."""
 
     def request_finished(
         self,
@@ -22,18 +23,23 @@ class EngineObserver(Protocol):
         caller: str = "anonymous",
     ) -> None:
         """A request left the engine: ok, cancelled, deadline, stopped, unavailable or error."""
+        return None
 
     def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
         """One batched decode step ran."""
+        return None
 
     def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
         """One prompt chunk was processed."""
+        return None
 
     def drafts_verified(self, *, model: str, drafted: int, accepted: int) -> None:
         """One row of a decode step verified `drafted` speculative draft tokens and kept `accepted`."""
+        return None
 
     def preempted(self, *, model: str, caller: str) -> None:
         """A running generation of `caller` was swapped out of its slot for a request owed it."""
+        return None
 
     def occupancy(
         self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
@@ -43,37 +49,9 @@ class EngineObserver(Protocol):
         `running` of `slots` sequences hold `kv_positions_used` of the `kv_positions` token
         positions the KV cache has room for.
         """
-
-
-class NullObserver:
-    """Observes nothing; observers that watch only some events override just those."""
-
-    def request_finished(
-        self,
-        *,
-        model: str,
-        outcome: Outcome,
-        finish_reason: FinishReason | None,
-        prompt_tokens: int,
-        completion_tokens: int,
-        timing: TimingReport,
-        caller: str = "anonymous",
-    ) -> None:
         return None
 
-    def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:
-        return None
 
-    def prefill_chunk(self, *, model: str, tokens: int, seconds: float) -> None:
-        return None
-
-    def drafts_verified(self, *, model: str, drafted: int, accepted: int) -> None:
-        return None
-
-    def preempted(self, *, model: str, caller: str) -> None:
-        return None
-
-    def occupancy(
-        self, *, model: str, queued: int, running: int, slots: int, kv_positions_used: int, kv_positions: int
-    ) -> None:
-        return None
+class NullObserver(EngineObserver):
+    """Observes nothing (the protocol's own hooks do nothing); observers that watch only some
+    events override just those."""

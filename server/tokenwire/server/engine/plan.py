@@ -1,16 +1,19 @@
 """What the scheduler decides for a round, and what the round did: plain data between scheduler and core.
 
-The scheduler returns a `RoundPlan` (which requests end, which one is preempted for which, which
-are admitted into slots, how much prompt work runs in what order, which rows decode); the engine
-core carries it out on the runner and answers with a `RoundOutcome` (the prompt positions
-processed, the tokens produced, the requests that finished, the costs measured), which the
-scheduler takes back. Neither side reaches into the other.
+The scheduler returns a `RoundPlan` that says exactly what runs: which requests end, which one
+is preempted for which, which are admitted into slots and how (new, resumed, or copying their
+group's prompt), every prompt chunk by request, start and length (with the cached prefix to
+copy in first), and every row of the decode step with the most drafts it may verify. The engine
+core carries it out on the runner and decides nothing; it answers with a `RoundOutcome`: what
+finished, what could not run (a failed copy), what the verifications kept and what the model
+calls cost. The scheduler takes the outcome back and counts the planned progress of everything
+else. Neither side reaches into the other.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
+from enum import Enum
 
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.request import Request
@@ -38,6 +41,15 @@ class Ending:
 
 
 @dataclass(frozen=True)
+class DecodeRow:
+    """One row of the round's decode step."""
+
+    key: int
+    max_drafts: int = 0
+    """The most speculative drafts the row may verify in this step (0: one token, as usual)."""
+
+
+@dataclass(frozen=True)
 class Preemption:
     """A running generation set aside (its KV rows copied out) so `beneficiary` can take its slot."""
 
@@ -45,26 +57,46 @@ class Preemption:
     positions: int
     """The victim's KV positions to copy aside (none for a prompt that has not begun)."""
     beneficiary: int
-    prefilling: bool = False
-    """The victim was mid-prompt: if it keeps its slot, it has no token to decode this round."""
+    if_kept: DecodeRow | None = None
+    """Should the copy fail, the victim keeps its slot: the row it decodes this round (None for a
+    prompt mid-prefill, which has no token to decode). The beneficiary then does nothing."""
+
+
+class Entry(Enum):
+    """How an admitted request enters its slot."""
+
+    NEW = "new"
+    """Its output begins; its prompt chunks follow in the plan."""
+    RESUMED = "resumed"
+    """Swapped out before: its rows are copied back in and it goes on where it was."""
+    FORKED = "forked"
+    """A completion of a group: it copies the prompt its group kept and samples its first token
+    from the logits kept with it."""
 
 
 @dataclass(frozen=True)
-class PromptWork:
-    """The round's prompt work: its budget goes to the prompts in `order`, each until it is done.
+class Admission:
+    key: int
+    entry: Entry
 
-    The core splits a prompt into chunks of at most `chunk_size` tokens (never shorter than
-    `pacing.MIN_CHUNK`). A prompt that finds a cached prefix needs fewer tokens; what it does not
-    use goes to the next prompt.
-    """
 
-    order: tuple[int, ...] = ()
-    budget: float = 0.0
-    """Prompt tokens the round may process; infinite when nothing decodes."""
-    paced_budget: float = 0.0
-    """For a round that began with nothing decoding: the budget once a stream decodes (after the
-    first prompt that gets its first token and goes on)."""
-    chunk_size: int = 1
+@dataclass(frozen=True)
+class PromptChunk:
+    """Prompt positions [start, start + length) of one request, run in one model call."""
+
+    key: int
+    start: int
+    length: int
+    cached: int = 0
+    """Before this chunk, copy the first `cached` prompt positions from the prefix cache (the
+    lease the scheduler's lookup took); `start` equals it then."""
+    keep_for_group: bool = False
+    """The chunk ends the prompt of a group's source: keep its rows and last logits for the
+    other completions."""
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
 
 
 @dataclass(frozen=True)
@@ -73,17 +105,16 @@ class RoundPlan:
     """The scheduler's clock when it planned: endings and admissions are stamped with it."""
     endings: tuple[Ending, ...] = ()
     preemption: Preemption | None = None
-    admitted: tuple[int, ...] = ()
-    """Into a slot, in admission order: new requests start their prefill, swapped-out ones resume."""
-    prompts: PromptWork = field(default_factory=PromptWork)
-    decode: tuple[int, ...] = ()
-    """Rows of the round's decode step; the prompts that get their first token this round join them."""
+    admitted: tuple[Admission, ...] = ()
+    """Into a slot, in admission order."""
+    prompts: tuple[PromptChunk, ...] = ()
+    """In the order they run; a request's chunks follow each other. The chunk that reaches the
+    end of its prompt samples the request's first token."""
+    decode: tuple[DecodeRow, ...] = ()
+    """Rows of the round's decode step: the requests decoding, then those whose first token comes
+    this round (their prompt's last chunk, or a forked prompt), each if it is still live then."""
     requests: dict[int, Request] = field(default_factory=dict)
     """Every request the plan names, by key."""
-
-    @property
-    def unbounded_prompts(self) -> bool:
-        return math.isinf(self.prompts.budget)
 
 
 @dataclass(frozen=True)
@@ -93,26 +124,29 @@ class Finished:
     """From its start to its end, for a request that had started; the retry hint averages these."""
 
 
+@dataclass(frozen=True)
+class Verification:
+    drafted: int
+    accepted: int
+
+
 @dataclass
 class RoundOutcome:
-    """What the core did with a plan."""
+    """What the core did with a plan, beyond the plan itself."""
 
-    prompt_positions: dict[int, int] = field(default_factory=dict)
-    """Prompt positions each request gained (prefilled, or copied from the prefix cache)."""
-    first_tokens: list[int] = field(default_factory=list)
-    """Requests whose prompt is done and that sampled their first token: they decode from now on."""
-    decoded: list[int] = field(default_factory=list)
-    """Rows the decode step gave a token."""
-    extra_tokens: dict[int, int] = field(default_factory=dict)
-    """Of the decoded rows, those that gained more than one token (accepted speculative drafts):
-    how many more."""
     finished: list[Finished] = field(default_factory=list)
     """Every request that ended this round, whatever ended it."""
-    prompts_kept: dict[int, bool] = field(default_factory=dict)
-    """Fork sources whose prompt is done: whether its rows were kept for the followers (False:
-    they prefill it themselves)."""
+    skipped: set[int] = field(default_factory=set)
+    """Requests whose planned work did not run (a copy into their slot failed, or the preemption
+    that made room for them did): none of their planned progress counts."""
     preemption_failed: bool = False
     """The plan's victim could not be swapped out: it keeps its slot and its beneficiary waits."""
+    verified: dict[int, Verification] = field(default_factory=dict)
+    """Decoded rows that verified drafts: what they drafted and kept (each kept draft is one
+    more token and one more position)."""
+    prompts_kept: dict[int, bool] = field(default_factory=dict)
+    """Group sources whose prompt is done: whether its rows were kept for the followers (False:
+    they prefill it themselves)."""
     prompt_chunks: list[tuple[int, float]] = field(default_factory=list)
     """(tokens, seconds) of each prompt chunk the model ran, for the pacer."""
     decode_seconds: float | None = None

@@ -1,23 +1,30 @@
-"""A live request as the scheduler sees it: one object from submit to finish, with an explicit status.
+"""The one record of a live request, from submit to finish, and the table that owns them all.
 
-A request is in exactly one status at a time and moves only forward through them, except that
-preemption takes a request in a slot back to the queue (SWAPPED_OUT) and resumption returns it
-to where it was (its prompt's remaining chunks, or its next token):
+A `Request` holds everything the engine keeps about one live request: its status and progress,
+its output (tokens, text, sampler), what it holds of the KV cache beyond its slot (its prefix
+cache lease, rows set aside by a preemption), its drafting history and the completion group it
+belongs to. The scheduler owns the records (scheduler.py): it alone changes a status, through
+`Request.transition`, which refuses every move this diagram does not draw:
 
     WAITING_FOR_FORMAT -> WAITING -> PREFILLING -> DECODING -> FINISHED
                                      PREFILLING <-> SWAPPED_OUT <-> DECODING
 
+(and FINISHED from every live status; a preemption that fails puts its beneficiary back where it
+was: PREFILLING -> WAITING, DECODING -> SWAPPED_OUT). Finishing a request is dropping its record
+from the table. The engine core writes the record's output as it runs the plan; the KV reuse
+fills in its KV holding.
+
 One progress counter, `computed_tokens`, says how many of its positions are in the KV cache
-(prompt tokens prefilled or copied from the prefix cache, then one more per decode step), and
-`generated_tokens` how many tokens it has produced. The text, sampler and stop matching of its
-output live with the engine core (output.py), so the scheduler needs no tokenizer.
+(prompt tokens prefilled or copied from the prefix cache, then one more per decode step); the
+tokens it has produced are its output's.
 
-A request that asked for n completions is n requests here, one a completion, sharing a
-`PromptFork`: the first prefills the prompt, and the others, once its rows are kept, copy them
-into their own slots instead of prefilling (they wait in the queue until then).
+A request that asked for n completions is n records here, one a completion, in one
+`CompletionSet`: where the runner can copy KV rows the first prefills the prompt and the others,
+once its rows are kept, copy them into their own slots instead of prefilling (they wait in the
+queue until then).
 
-`RequestTable` is the one index of live requests by key. The engine thread changes requests and
-the table; the event loop reads the table (queue admission) only under the engine's lock.
+The engine thread changes records and the table; the event loop reads the table (queue
+admission, aborts) only under the engine's lock.
 """
 
 from __future__ import annotations
@@ -29,9 +36,13 @@ from enum import Enum
 from typing import TYPE_CHECKING
 
 from tokenwire.server.engine.shares import work
+from tokenwire.server.engine.speculation import DraftHistory
 from tokenwire.server.engine.types import Caller, EventSink, GenerationRequest, Priority
 
-if TYPE_CHECKING:  # a compiled format is opaque here: the scheduler only waits for it
+if TYPE_CHECKING:  # opaque here: the scheduler imports no sampler, runner or array library
+    from tokenwire.server.engine.kv_reuse import KeptPrompt, KvRows
+    from tokenwire.server.engine.output import RequestOutput
+    from tokenwire.server.engine.prefix_cache import PrefixLease
     from tokenwire.server.sampling.constraint import CompiledFormat
 
 
@@ -50,94 +61,168 @@ class RequestStatus(Enum):
 
 
 QUEUED = frozenset({RequestStatus.WAITING_FOR_FORMAT, RequestStatus.WAITING, RequestStatus.SWAPPED_OUT})
-RUNNING = frozenset({RequestStatus.PREFILLING, RequestStatus.DECODING})
+
+_S = RequestStatus
+TRANSITIONS: dict[RequestStatus, frozenset[RequestStatus]] = {
+    _S.WAITING_FOR_FORMAT: frozenset({_S.WAITING, _S.FINISHED}),
+    _S.WAITING: frozenset({_S.PREFILLING, _S.FINISHED}),
+    # WAITING: a failed preemption's beneficiary, which had just been given the slot.
+    _S.PREFILLING: frozenset({_S.DECODING, _S.SWAPPED_OUT, _S.WAITING, _S.FINISHED}),
+    _S.DECODING: frozenset({_S.SWAPPED_OUT, _S.FINISHED}),
+    _S.SWAPPED_OUT: frozenset({_S.PREFILLING, _S.DECODING, _S.FINISHED}),
+    _S.FINISHED: frozenset(),
+}
+"""Every move a request may make, from each status."""
+
+
+class IllegalTransitionError(RuntimeError):
+    """A request was asked to move where its state machine has no edge: an engine bug."""
 
 
 @dataclass(eq=False)
-class PromptFork:
-    """The completions of one request: `source` prefills the prompt; the `followers` copy it."""
+class CompletionSet:
+    """The completions of one request that asked for n > 1, one record each, in index order.
 
-    source: int
-    followers: tuple[int, ...]
+    Where the runner copies KV rows (`shares_prompt`), `keys[0]` prefills the prompt and the
+    others copy it once it is kept; otherwise each prefills the prompt itself."""
+
+    keys: tuple[int, ...]
+    shares_prompt: bool
     ready: bool = False
     """The source's prompt rows and last logits are kept: a follower may take a slot and copy them."""
+    kept: KeptPrompt | None = None
+    """Those rows and logits (kv_reuse.py's), until every follower has copied them or ended."""
     abandoned: bool = False
     """No copy will come (the rows could not be kept, or the source ended first): the followers
     prefill the prompt themselves."""
     ended: set[int] = field(default_factory=set)
-    """Members that have ended (the engine core adds each as it finishes it)."""
+    """Members that have ended."""
+
+    @property
+    def ticket(self) -> int:
+        """The key the request was submitted under: aborting it aborts every completion."""
+        return self.keys[0]
+
+    @property
+    def source(self) -> int:
+        return self.keys[0]
 
     def live_followers(self) -> list[int]:
-        return [key for key in self.followers if key not in self.ended]
+        return [key for key in self.keys[1:] if key not in self.ended]
+
+
+@dataclass
+class KvHolding:
+    """What a request holds of the KV cache beyond its slot; kv_reuse.py alone reads and writes it."""
+
+    prefix: PrefixLease | None = None
+    """Its part in the prefix cache, once its prompt was looked up there."""
+    prefix_tokens: int = 0
+    """Of its prompt, the tokens the lookup found cached (to copy into its slot)."""
+    caching_stopped: bool = False
+    """The cache took no more of its prompt's blocks (or copying failed): stop offering them."""
+    swapped: KvRows | None = None
+    """Its rows set aside by a preemption (None too for a prompt set aside before its first chunk)."""
 
 
 @dataclass(eq=False)
 class Request:
     key: int
-    spec: GenerationRequest
+    submitted: GenerationRequest
+    """The validated request (for a completion of n: with that completion's seed)."""
     sink: EventSink
     response_format: Future[CompiledFormat] | None = None
     """The request's compiled format, once a worker has it; the request waits until then."""
-    status: RequestStatus = RequestStatus.WAITING
+    group: CompletionSet | None = None
+    """Set on each of the completions of a request that asked for n > 1."""
     computed_tokens: int = 0
     """Positions of this request in the KV cache: prompt tokens first, then one per decode step."""
-    generated_tokens: int = 0
     started_at: float | None = None
     """When it first got a slot (its prefill began)."""
-    fork: PromptFork | None = None
-    """Set on each of the completions of a request that asked for n > 1."""
+    output: RequestOutput | None = None
+    """What it has produced, from its first admission on (the engine core writes it)."""
+    kv: KvHolding = field(default_factory=KvHolding)
+    drafting: DraftHistory = field(default_factory=DraftHistory)
+    _status: RequestStatus = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.response_format is not None and not self.response_format.done():
-            self.status = RequestStatus.WAITING_FOR_FORMAT
+        compiling = self.response_format is not None and not self.response_format.done()
+        self._status = RequestStatus.WAITING_FOR_FORMAT if compiling else RequestStatus.WAITING
+
+    @property
+    def status(self) -> RequestStatus:
+        return self._status
+
+    def transition(self, to: RequestStatus) -> None:
+        """Move to `to`; raises IllegalTransitionError for a move the state machine does not allow."""
+        if to not in TRANSITIONS[self._status]:
+            raise IllegalTransitionError(
+                f"request {self.submitted.request_id!r} (key {self.key}) cannot go from "
+                f"{self._status.value} to {to.value}"
+            )
+        self._status = to
+
+    @property
+    def finished(self) -> bool:
+        return self._status is RequestStatus.FINISHED
 
     # What the fair queue asks of an entry.
     @property
     def caller(self) -> Caller:
-        return self.spec.caller
+        return self.submitted.caller
 
     @property
     def priority(self) -> Priority:
-        return self.spec.priority
+        return self.submitted.priority
 
     @property
     def ready(self) -> bool:
         """May take a slot: not waiting for its format (a compile worker finishes it off-thread),
         nor for the prompt it copies."""
-        if self.copies_prompt and not self.fork_ready:
+        if self.copies_prompt and self.group is not None and not self.group.ready:
             return False
         return self.response_format is None or self.response_format.done()
 
     @property
     def copies_prompt(self) -> bool:
-        """A follower of a fork that will copy its prompt's rows rather than prefill them."""
-        fork = self.fork
-        return fork is not None and fork.source != self.key and not fork.abandoned
-
-    @property
-    def fork_ready(self) -> bool:
-        return self.fork is not None and self.fork.ready
+        """A follower of a group that will copy its prompt's rows rather than prefill them."""
+        group = self.group
+        return group is not None and group.shares_prompt and group.source != self.key and not group.abandoned
 
     @property
     def keeps_prompt(self) -> bool:
-        """The source of a fork whose followers wait for its prompt."""
-        fork = self.fork
-        return fork is not None and fork.source == self.key and not fork.ready and not fork.abandoned
+        """The source of a group whose followers wait for its prompt."""
+        group = self.group
+        return (
+            group is not None
+            and group.shares_prompt
+            and group.source == self.key
+            and not group.ready
+            and not group.abandoned
+        )
+
+    @property
+    def prompt_ids(self) -> tuple[int, ...]:
+        return self.submitted.prompt_ids
 
     @property
     def prompt_length(self) -> int:
-        return len(self.spec.prompt_ids)
+        return len(self.submitted.prompt_ids)
 
     @property
     def prompt_remaining(self) -> int:
         return max(0, self.prompt_length - self.computed_tokens)
 
     @property
+    def generated_tokens(self) -> int:
+        return len(self.output.output_ids) if self.output is not None else 0
+
+    @property
     def work(self) -> int:
         """The work still ahead of it (shares.work): what its caller's turn is charged when it
         takes a slot, and what it weighs while it holds one."""
         prompt = 0 if self.copies_prompt else self.prompt_remaining
-        return work(prompt, self.spec.stopping.max_new_tokens - self.generated_tokens)
+        return work(prompt, self.submitted.stopping.max_new_tokens - self.generated_tokens)
 
     @property
     def queued_tokens(self) -> int:
@@ -147,11 +232,9 @@ class Request:
 
     @property
     def swappable(self) -> bool:
-        """In a slot, so its KV rows and state can be set aside and resumed: decoding with a token
-        produced, or prefilling (a long prompt mid-way holds its slot as surely as a generation)."""
-        if self.status is RequestStatus.PREFILLING:
-            return True
-        return self.status is RequestStatus.DECODING and self.generated_tokens > 0
+        """In a slot, so its KV rows and state can be set aside and resumed: decoding, or
+        prefilling (a long prompt mid-way holds its slot as surely as a generation)."""
+        return self._status is RequestStatus.PREFILLING or self._status is RequestStatus.DECODING
 
     @property
     def resumes_prompt(self) -> bool:
@@ -159,14 +242,17 @@ class Request:
         return self.prompt_remaining > 0
 
     def past_deadline(self, now: float) -> bool:
-        return self.spec.deadline is not None and now >= self.spec.deadline
+        return self.submitted.deadline is not None and now >= self.submitted.deadline
 
 
 class RequestTable:
-    """Every live request by key, in submission order."""
+    """Every live request by key, in submission order, and the live completion groups by ticket."""
 
     def __init__(self) -> None:
         self._by_key: dict[int, Request] = {}
+        self._groups: dict[int, CompletionSet] = {}
+        """Each group with a member live, by its ticket: a ticket's own completion may end
+        while its siblings run, and aborting the ticket must still reach them."""
 
     def __len__(self) -> int:
         return len(self._by_key)
@@ -179,6 +265,8 @@ class RequestTable:
 
     def add(self, request: Request) -> None:
         self._by_key[request.key] = request
+        if request.group is not None:
+            self._groups[request.group.ticket] = request.group
 
     def get(self, key: int) -> Request | None:
         return self._by_key.get(key)
@@ -187,7 +275,18 @@ class RequestTable:
         return self._by_key[key]
 
     def remove(self, key: int) -> Request | None:
-        return self._by_key.pop(key, None)
+        request = self._by_key.pop(key, None)
+        group = request.group if request is not None else None
+        if group is not None and not any(k in self._by_key for k in group.keys):
+            del self._groups[group.ticket]
+        return request
 
     def keys(self) -> list[int]:
         return list(self._by_key)
+
+    def live_keys_of(self, ticket: int) -> list[int]:
+        """The live requests a ticket names: itself, or every live completion of its request."""
+        group = self._groups.get(ticket)
+        if group is None:
+            return [ticket] if ticket in self._by_key else []
+        return [key for key in group.keys if key in self._by_key]

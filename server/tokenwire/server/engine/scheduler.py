@@ -20,14 +20,25 @@ What it decides:
   it resumes where it was. At most one a round.
 - **Prompt work**: stall-free pacing (pacing.py) sizes the round's prompt budget, unbounded only
   when no stream decodes and no request waits for a slot (a waiting request is stalled by a long
-  round too: only between rounds can it take a slot); the budget goes to the most urgent priority
-  first, then to the caller holding the least work in slots for its weight.
+  round too: only between rounds can it take a slot), and paced from the first prompt that gets
+  its first token on; the budget goes to the most urgent priority first, then to the caller
+  holding the least work in slots for its weight, cut into chunks (pacing.chunk_length). A
+  prompt's first chunk looks its prefix up in the prefix cache (the lookup the engine gives the
+  scheduler): the cached positions are copied in, not prefilled, and cost no budget. A prompt
+  whose shared prefix an earlier prompt of the same tenant is prefilling in the same round starts
+  in the next one, where it finds those blocks cached.
+- **Drafts**: how many speculative drafts each decode row may verify (speculation.py), within
+  what the step's other streams can spare; drafts rejected are charged to their caller's turns.
 - **Endings**: aborts and passed deadlines end requests at the round's start.
 - **Forks** (n completions): the followers of a fork wait until its source's prompt rows are
   kept, then take slots like any request and copy the prompt instead of prefilling it.
 
-Not thread-safe: the engine calls it under its lock, from the engine thread (planning and taking
-back outcomes, both short) and from the event loop (queueing, refusals, retry hints).
+The scheduler owns every live request's record (request.py): it alone moves a request from one
+status to another, and finishing a request (`finish`) drops its record.
+
+Not thread-safe: the engine calls it under its lock, from the engine thread (planning, taking
+back outcomes and finishing requests, all short) and from the event loop (queueing, refusals,
+retry hints, aborts).
 """
 
 from __future__ import annotations
@@ -42,10 +53,27 @@ from typing import TYPE_CHECKING
 
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.fair_queue import FairQueue
-from tokenwire.server.engine.pacing import PrefillPacer
-from tokenwire.server.engine.plan import Abort, Ending, Preemption, PromptWork, RoundOutcome, RoundPlan
+from tokenwire.server.engine.pacing import PrefillPacer, chunk_length
+from tokenwire.server.engine.plan import (
+    Abort,
+    Admission,
+    DecodeRow,
+    Ending,
+    Entry,
+    Preemption,
+    PromptChunk,
+    RoundOutcome,
+    RoundPlan,
+)
 from tokenwire.server.engine.request import QUEUED, Request, RequestStatus, RequestTable
 from tokenwire.server.engine.shares import fair_share, held_per_share
+from tokenwire.server.engine.speculation import (
+    OFF,
+    NeighbourBudget,
+    SpeculationSettings,
+    draft_limits,
+    record_verification,
+)
 from tokenwire.server.engine.types import AbortReason, Caller, FinishReason, Priority, unread_output_error
 
 if TYPE_CHECKING:  # opaque here: the scheduler only waits for a format to compile
@@ -54,6 +82,10 @@ if TYPE_CHECKING:  # opaque here: the scheduler only waits for a format to compi
 log = logging.getLogger(__name__)
 
 _SERVICE_SMOOTHING = 0.2
+
+PrefixLookup = Callable[[Request], int]
+"""Looks a request's prompt up in the prefix cache, keeping what it found in the request's KV
+holding; the count of prompt tokens found cached (0: none, or no cache)."""
 
 
 @dataclass(frozen=True)
@@ -69,6 +101,12 @@ class SchedulerConfig:
     """Whether a running generation may be swapped out (the runner can copy its KV rows)."""
     max_queued_tokens: int = 0
     """Most prompt tokens waiting for a slot, all callers together; 0: no bound."""
+    context_length: int = 2**31
+    """Positions a slot holds: no speculative run may pass it."""
+    speculation: SpeculationSettings = OFF
+    """Drafts the decode rows may verify; OFF where the runner cannot verify runs of tokens."""
+    prefix_block_tokens: int = 0
+    """The prefix cache's block size (0: no prefix cache)."""
 
 
 @dataclass(frozen=True)
@@ -79,8 +117,9 @@ class Occupancy:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, look_up_prefix: PrefixLookup | None = None) -> None:
         self._config = config
+        self._look_up_prefix = look_up_prefix if config.prefix_block_tokens > 0 else None
         self._slots = config.slots
         self._batch_reserved = max(0, min(config.batch_reserved_slots, self._slots - 1))
         self._requests = RequestTable()
@@ -90,10 +129,14 @@ class Scheduler:
         self._decoding: dict[int, Request] = {}
         """In slots, decoding, in the order they began to."""
         self._pacer = PrefillPacer(max_step_seconds=config.max_step_seconds)
+        self._neighbours = NeighbourBudget(config.speculation)
         self._service_seconds = 1.0
         """Moving average of start-to-finish times, for retry hints."""
-        self._planned_preemption: tuple[Preemption, RequestStatus] | None = None
-        """This round's preemption and its beneficiary's status before, until the outcome is in."""
+        self._planned: RoundPlan | None = None
+        """This round's plan, until its outcome is in: its progress counts unless the outcome says
+        otherwise."""
+        self._beneficiary_was: RequestStatus | None = None
+        """The status the plan's preemption's beneficiary had before it was given the slot."""
 
     # -- queries ---------------------------------------------------------------------------------
 
@@ -218,12 +261,29 @@ class Scheduler:
         self._waiting.push(request)
 
     def clear(self) -> list[Request]:
-        """Forget every live request (the engine fails them); the queue and slots are empty after."""
+        """Finish every live request at once (the engine fails them); the queue and slots are empty
+        after."""
         everything = [*self._prefilling, *self._decoding.values(), *self._waiting.clear()]
         self._prefilling.clear()
         self._decoding.clear()
         self._requests = RequestTable()
+        for request in everything:
+            request.transition(RequestStatus.FINISHED)
         return everything
+
+    def live_keys(self) -> list[int]:
+        return self._requests.keys()
+
+    def live_keys_of(self, ticket: int) -> list[int]:
+        """The live requests that aborting `ticket` stops: it, or its request's live completions."""
+        return self._requests.live_keys_of(ticket)
+
+    def finish(self, request: Request) -> None:
+        """A request has ended (the core emitted its terminal event): drop its record, from the
+        queue or its slot and from the table. A request the plan ended is dropped already."""
+        if not request.finished:
+            self._end(request)
+        self._requests.remove(request.key)
 
     # -- planning (engine thread) ----------------------------------------------------------------
 
@@ -231,64 +291,87 @@ class Scheduler:
         """The round's plan. `admit` False (the server is stopping): nothing new takes a slot."""
         endings = [*self._abort(aborts), *self._expire(now)]
         preemption: Preemption | None = None
-        admitted: tuple[int, ...] = ()
+        admitted: list[Admission] = []
         if admit:
             preemption, admitted, failed_formats = self._admit(now)
             endings.extend(failed_formats)
-        decode = tuple(key for key, r in self._decoding.items() if r.generated_tokens > 0)
-        prompts = self._prompt_work()
-        named = self._named(endings, admitted, prompts.order, decode)
+        decoding = list(self._decoding.values())
+        prompts, completing = self._prompt_work()
+        forked = [self._requests[a.key] for a in admitted if a.entry is Entry.FORKED]
+        rows = [*decoding, *completing, *forked]
+        limits = self._neighbours.limit(
+            rows,
+            draft_limits(
+                self._config.speculation,
+                rows,
+                [False] * len(decoding) + [True] * (len(completing) + len(forked)),
+                context_length=self._config.context_length,
+            ),
+            plain_step=self._pacer.decode_seconds,
+        )
+        named = {ending.key: ending.request for ending in endings}
+        named.update((r.key, r) for r in (*self._prefilling, *self._decoding.values()))
         if preemption is not None:
             named[preemption.victim] = self._requests[preemption.victim]
-        return RoundPlan(
+        plan = RoundPlan(
             now=now,
-            endings=tuple(endings),
+            endings=tuple(Ending(e.key, e.end, e.abort) for e in endings),
             preemption=preemption,
-            admitted=admitted,
-            prompts=prompts,
-            decode=decode,
+            admitted=tuple(admitted),
+            prompts=tuple(prompts),
+            decode=tuple(DecodeRow(r.key, limit) for r, limit in zip(rows, limits, strict=True)),
             requests=named,
         )
+        self._planned = plan
+        return plan
 
-    def _named(self, endings: Iterable[Ending], *keys: Iterable[int]) -> dict[int, Request]:
-        named = {ending.key: self._requests[ending.key] for ending in endings}
-        named.update((key, self._requests[key]) for group in keys for key in group)
-        return named
-
-    def _abort(self, aborts: Iterable[Abort]) -> list[Ending]:
+    def _abort(self, aborts: Iterable[Abort]) -> list[_Ended]:
         # A key with several aborts ends at the first; the rest find nothing, as do aborts of
         # requests that ended by themselves before the abort was taken.
         endings = []
         for abort in aborts:
             request = self._requests.get(abort.key)
-            if request is None or request.status is RequestStatus.FINISHED:
+            if request is None:
                 continue
             started = request.started_at is not None
-            self._end(request)
-            endings.append(Ending(abort.key, _abort_ending(abort.reason, started=started), abort))
+            self._drop(request)
+            endings.append(_Ended(request, _abort_ending(abort.reason, started=started), abort))
         return endings
 
-    def _expire(self, now: float) -> list[Ending]:
+    def _expire(self, now: float) -> list[_Ended]:
         endings = []
         for request in [*self.running(), *(r for r in self._waiting if r.past_deadline(now))]:
             if request.past_deadline(now):
                 where = "during generation" if request.started_at is not None else "in the queue"
-                self._end(request)
-                endings.append(Ending(request.key, _deadline_error(where)))
+                self._drop(request)
+                endings.append(_Ended(request, _deadline_error(where)))
         return endings
 
     def _end(self, request: Request) -> None:
-        """Take a request out of the queue or its slot; the core finishes it."""
+        """Take a request out of the queue or its slot, finished."""
         if request.status in QUEUED:
             self._waiting.remove(request)
         else:
             self._leave_slot(request)
-        request.status = RequestStatus.FINISHED
+        self._mark_finished(request)
 
-    def _admit(self, now: float) -> tuple[Preemption | None, tuple[int, ...], list[Ending]]:
+    def _mark_finished(self, request: Request) -> None:
+        keeps_prompt = request.keeps_prompt
+        request.transition(RequestStatus.FINISHED)
+        group = request.group
+        if group is not None:
+            group.ended.add(request.key)
+            if keeps_prompt:
+                group.abandoned = True  # its followers prefill the prompt themselves
+
+    def _drop(self, request: Request) -> None:
+        self._end(request)
+        self._requests.remove(request.key)
+
+    def _admit(self, now: float) -> tuple[Preemption | None, list[Admission], list[_Ended]]:
         for request in self._waiting:
             if request.status is RequestStatus.WAITING_FOR_FORMAT and request.ready:
-                request.status = RequestStatus.WAITING
+                request.transition(RequestStatus.WAITING)
         free = self._slots - len(self._prefilling) - len(self._decoding)
         # BATCH requests leave `batch_reserved_slots` free for the others, so an INTERACTIVE
         # request never waits behind BATCH work for more than the next round.
@@ -304,12 +387,12 @@ class Scheduler:
         if preemption is not None:
             victim, beneficiary = self._requests[preemption.victim], self._requests[preemption.beneficiary]
             self._leave_slot(victim)
-            self._planned_preemption = (preemption, beneficiary.status)
+            self._beneficiary_was = beneficiary.status
             # The slot goes to the request it was freed for, which takes its caller's turn.
             self._waiting.take(beneficiary)
             chosen.append(beneficiary)
             # Back at the head of its caller's line: it was already its caller's next.
-            victim.status = RequestStatus.SWAPPED_OUT
+            victim.transition(RequestStatus.SWAPPED_OUT)
             self._waiting.push_front(victim)
         while free > 0:
             found = self._waiting.pop(allowed)
@@ -318,21 +401,24 @@ class Scheduler:
             chosen.append(found)
             free -= 1
             batch_room -= found.priority is Priority.BATCH
-        admitted, failed = [], []
+        admitted: list[Admission] = []
+        failed: list[_Ended] = []
         for request in chosen:
             failure = _format_failure(request.response_format)
             if failure is not None:
-                request.status = RequestStatus.FINISHED
-                failed.append(Ending(request.key, failure))
+                self._mark_finished(request)  # out of the queue already
+                self._requests.remove(request.key)
+                failed.append(_Ended(request, failure))
                 continue
             if request.status is RequestStatus.SWAPPED_OUT:
                 self._resume(request)
-            else:
-                request.status = RequestStatus.PREFILLING
-                request.started_at = now
-                self._prefilling.append(request)
-            admitted.append(request.key)
-        return preemption, tuple(admitted), failed
+                admitted.append(Admission(request.key, Entry.RESUMED))
+                continue
+            request.transition(RequestStatus.PREFILLING)
+            request.started_at = now
+            self._prefilling.append(request)
+            admitted.append(Admission(request.key, Entry.FORKED if request.copies_prompt else Entry.NEW))
+        return preemption, admitted, failed
 
     def _preempt_for_next(self, allowed: Callable[[Request], bool]) -> Preemption | None:
         """The generation to swap out for the next waiting request owed a slot, if any.
@@ -367,15 +453,14 @@ class Scheduler:
         assert victim is not None
         log.debug(
             "request %s of caller %s gives its slot to a request of caller %s",
-            victim.spec.request_id,
+            victim.submitted.request_id,
             victim.caller.name,
             candidate.caller.name,
         )
+        # A victim that was decoding decodes on if the copy fails; one mid-prompt has no token.
+        if_kept = DecodeRow(victim.key) if victim.status is RequestStatus.DECODING else None
         return Preemption(
-            victim=victim.key,
-            positions=victim.computed_tokens,
-            beneficiary=candidate.key,
-            prefilling=victim.status is RequestStatus.PREFILLING,
+            victim=victim.key, positions=victim.computed_tokens, beneficiary=candidate.key, if_kept=if_kept
         )
 
     def _victim_for(self, candidate: Request, queueing: dict[str, float]) -> Request | None:
@@ -410,14 +495,13 @@ class Scheduler:
             return None
         return min(over, key=lambda r: (-excess(r.caller.name), r.computed_tokens))
 
-    def _prompt_work(self) -> PromptWork:
-        """The round's prompt budget and the order prompts get it.
+    def _prompt_work(self) -> tuple[list[PromptChunk], list[Request]]:
+        """The round's prompt chunks, and the requests whose prompt they finish (in that order).
 
         The most urgent priority first; within it, the prompt of the caller holding the least
         work in slots (shares.work of each request there) for its weight, so a flood's prompts,
         many or long, never make a quieter caller's first token wait for theirs; among equals,
-        first come, first served, which lets a prompt reuse the prefix a prompt ahead of it has
-        just cached. A prompt set aside keeps what it has done.
+        first come, first served. A prompt set aside keeps what it has done.
         """
         held: Counter[str] = Counter()
         for running in self.running():
@@ -427,18 +511,64 @@ class Scheduler:
             return request.priority.value, held_per_share(held[request.caller.name], request.caller.weight)
 
         # A follower admitted this round copies its prompt: it has no prompt work.
-        prefilling = [r for r in self._prefilling if not r.copies_prompt]
-        prompts = sorted(prefilling, key=order)  # a stable sort keeps arrival order among equals
+        prompts = sorted((r for r in self._prefilling if not r.copies_prompt), key=order)  # stable
         # A request waiting for a slot is stalled by a long round as a decoding stream is: the next
         # round is when it can take a slot (or one is taken back for it). So the prompt budget is
         # unbounded only when nothing decodes and nothing waits.
         stalls = bool(self._decoding) or any(r.ready for r in self._waiting)
-        return PromptWork(
-            order=tuple(r.key for r in prompts),
-            budget=self._prompt_budget(decoding=stalls),
-            paced_budget=self._prompt_budget(decoding=True),
-            chunk_size=self._config.prefill_chunk_size,
-        )
+        budget = self._prompt_budget(decoding=stalls)
+        chunk_size = self._config.prefill_chunk_size
+        chunks: list[PromptChunk] = []
+        completing: list[Request] = []
+        planned: list[tuple[Request, int, int]] = []
+        """(request, first position, end) of each prompt with chunks this round, so far."""
+        for request in prompts:
+            if budget <= 0:
+                break
+            start = cached = 0
+            if request.kv.prefix is None and self._look_up_prefix is not None:
+                if self._waits_for_shared_prefix(request, planned):
+                    continue
+                cached = self._look_up_prefix(request)
+            start = request.computed_tokens + cached
+            first = start
+            length = request.prompt_length
+            while budget > 0 and start < length:
+                size = chunk_length(length - start, int(min(budget, chunk_size)))
+                done = start + size >= length
+                chunks.append(
+                    PromptChunk(
+                        request.key,
+                        start,
+                        size,
+                        cached=cached if start == first else 0,
+                        keep_for_group=done and request.keeps_prompt,
+                    )
+                )
+                budget -= size
+                start += size
+            planned.append((request, first, start))
+            if start >= length:
+                completing.append(request)
+                if math.isinf(budget):
+                    # Streams decode from now on: the prompts behind it are paced.
+                    budget = self._prompt_budget(decoding=True)
+        return chunks, completing
+
+    def _waits_for_shared_prefix(self, request: Request, planned: list[tuple[Request, int, int]]) -> bool:
+        """Whether a prompt about to be looked up in the prefix cache should wait for the next
+        round: an earlier prompt of its tenant completes, this round, a block of the prefix the
+        two share, which it would find cached then instead of prefilling it again."""
+        block = self._config.prefix_block_tokens
+        prompt = request.prompt_ids
+        tenant = request.caller.tenant
+        for other, first, end in planned:
+            if other.caller.tenant != tenant or other.prompt_ids[:block] != prompt[:block]:
+                continue
+            shared = _common_prefix(prompt, other.prompt_ids, limit=end)
+            if shared // block * block > first:
+                return True
+        return False
 
     def _prompt_budget(self, *, decoding: bool) -> float:
         """Prompt tokens a round may process: unbounded when nothing would be stalled (`decoding`
@@ -451,34 +581,20 @@ class Scheduler:
     # -- taking back what a round did (engine thread) --------------------------------------------
 
     def update(self, outcome: RoundOutcome) -> None:
-        for key, positions in outcome.prompt_positions.items():
-            self._requests[key].computed_tokens += positions
-        for key, kept in outcome.prompts_kept.items():
-            fork = self._requests[key].fork
-            assert fork is not None, "a prompt kept for a request without a fork"
-            fork.ready, fork.abandoned = kept, not kept
-        for key in outcome.first_tokens:
-            request = self._requests[key]
-            self._prefilling.remove(request)
-            request.status = RequestStatus.DECODING
-            request.generated_tokens = 1
-            self._decoding[key] = request
-        for key in outcome.decoded:
-            request = self._requests[key]
-            gained = 1 + outcome.extra_tokens.get(key, 0)
-            request.computed_tokens += gained
-            request.generated_tokens += gained
+        """Count the progress the round's plan made, but for what the outcome says did not run."""
+        plan, self._planned = self._planned, None
+        if plan is not None:
+            self._count_progress(plan, outcome)
         if outcome.preemption_failed:
-            self._undo_preemption()
-        self._planned_preemption = None
+            self._undo_preemption(plan)
+        self._beneficiary_was = None
+        for key, kept in outcome.prompts_kept.items():
+            # The plan names the source, which may have ended at its first token.
+            group = plan.requests[key].group if plan is not None else None
+            assert group is not None, "a prompt kept for a request without a group"
+            # Without the rows its followers prefill the prompt themselves.
+            group.ready, group.abandoned = kept, not kept
         for finished in outcome.finished:
-            ended = self._requests.get(finished.key)
-            if ended is not None and ended.keeps_prompt:
-                assert ended.fork is not None
-                ended.fork.abandoned = True  # its followers prefill the prompt themselves
-            ended = self._requests.remove(finished.key)
-            if ended is not None and ended.status is not RequestStatus.FINISHED:
-                self._end(ended)
             if finished.service_seconds is not None:
                 self._service_seconds = (
                     1 - _SERVICE_SMOOTHING
@@ -486,7 +602,70 @@ class Scheduler:
         for tokens, seconds in outcome.prompt_chunks:
             self._pacer.observe_prefill(tokens, seconds)
         if outcome.decode_seconds is not None:
-            self._pacer.observe_decode(outcome.decode_seconds)
+            self._observe_step(plan, outcome, outcome.decode_seconds)
+
+    def _observe_step(self, plan: RoundPlan | None, outcome: RoundOutcome, seconds: float) -> None:
+        """A plain step teaches the pacer a decode step's cost; one that verified drafts teaches
+        what verifying costs, and spends what it took from its neighbours."""
+        if not outcome.verified:
+            self._pacer.observe_decode(seconds)
+            return
+        rows = len(plan.decode) if plan is not None else 0
+        self._neighbours.observe(
+            step_seconds=seconds,
+            plain_step=self._pacer.decode_seconds,
+            positions=sum(v.drafted + 1 for v in outcome.verified.values()),
+            shared=rows > len(outcome.verified),
+        )
+
+    def _count_progress(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
+        def live(key: int) -> Request | None:
+            request = self._requests.get(key)
+            return None if request is None or key in outcome.skipped else request
+
+        decoding_before = set(self._decoding)
+        firsts: list[Request] = []
+        for chunk in plan.prompts:
+            request = live(chunk.key)
+            if request is None:
+                continue
+            request.computed_tokens = chunk.end
+            if chunk.end >= request.prompt_length:
+                firsts.append(request)
+        for admission in plan.admitted:
+            request = live(admission.key)
+            if admission.entry is Entry.FORKED and request is not None:
+                request.computed_tokens = request.prompt_length
+                firsts.append(request)
+        rows_by_key = {row.key: row for row in plan.decode}
+        rows = [row for row in plan.decode if row.key in decoding_before]
+        preemption = plan.preemption
+        if outcome.preemption_failed and preemption is not None and preemption.if_kept is not None:
+            rows.append(preemption.if_kept)
+        for row in rows:
+            request = live(row.key)
+            if request is None:
+                continue
+            self._count_step(request, row, outcome)
+        for request in firsts:
+            self._prefilling.remove(request)
+            request.transition(RequestStatus.DECODING)
+            self._decoding[request.key] = request
+            # Its first token came before the step; the step gave it one more, or a run.
+            self._count_step(request, rows_by_key[request.key], outcome)
+
+    def _count_step(self, request: Request, row: DecodeRow, outcome: RoundOutcome) -> None:
+        """A row the decode step gave a token, or a run: one position, and each draft kept."""
+        verified = outcome.verified.get(request.key)
+        if verified is None:
+            request.computed_tokens += 1
+            if row.max_drafts:
+                request.drafting.verifying = False  # it could have drafted and found nothing
+            return
+        request.drafting.verifying = True
+        request.computed_tokens += 1 + verified.accepted
+        record_verification(request.drafting, drafted=verified.drafted, accepted=verified.accepted)
+        self._waiting.charge(request.caller, request.priority, verified.drafted - verified.accepted)
 
     def _leave_slot(self, request: Request) -> None:
         """A request leaves its slot (it ended, or was preempted), prompt mid-way or decoding."""
@@ -499,31 +678,52 @@ class Scheduler:
         """A swapped-out request back in a slot, where it was: its prompt's remaining chunks
         (it keeps the start time of its first admission), or its next token."""
         if request.resumes_prompt:
-            request.status = RequestStatus.PREFILLING
+            request.transition(RequestStatus.PREFILLING)
             self._prefilling.append(request)
         else:
-            request.status = RequestStatus.DECODING
+            request.transition(RequestStatus.DECODING)
             self._decoding[request.key] = request
 
-    def _undo_preemption(self) -> None:
+    def _undo_preemption(self, plan: RoundPlan | None) -> None:
         # The victim keeps its slot; the request it was swapped out for waits at the head of its
         # caller's line again (its caller's turn stays used: the next turn is another caller's).
-        assert self._planned_preemption is not None, "a preemption failed that was never planned"
-        preemption, beneficiary_was = self._planned_preemption
-        victim = self._requests[preemption.victim]
-        self._waiting.remove(victim)
-        self._resume(victim)
+        preemption = plan.preemption if plan is not None else None
+        was = self._beneficiary_was
+        assert preemption is not None and was is not None, "a preemption failed that was never planned"
+        victim = self._requests.get(preemption.victim)
+        if victim is not None:
+            self._waiting.remove(victim)
+            self._resume(victim)
         beneficiary = self._requests.get(preemption.beneficiary)
-        if beneficiary is None or beneficiary.status is RequestStatus.FINISHED:
+        if beneficiary is None:
             return
-        if beneficiary.status is RequestStatus.PREFILLING:
-            self._prefilling.remove(beneficiary)
-            if beneficiary_was is not RequestStatus.SWAPPED_OUT:
-                beneficiary.started_at = None  # it never began after all
-        else:
-            self._decoding.pop(beneficiary.key, None)
-        beneficiary.status = beneficiary_was
+        self._leave_slot(beneficiary)
+        if beneficiary.status is RequestStatus.PREFILLING and was is not RequestStatus.SWAPPED_OUT:
+            beneficiary.started_at = None  # it never began after all
+        beneficiary.transition(was)
         self._waiting.push_front(beneficiary)
+
+
+@dataclass(frozen=True)
+class _Ended:
+    """A request the plan ends, with its record (dropped from the table already)."""
+
+    request: Request
+    end: FinishReason | GenerationError
+    abort: Abort | None = None
+
+    @property
+    def key(self) -> int:
+        return self.request.key
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...], *, limit: int) -> int:
+    """How many leading tokens `a` and `b` share, counting at most `limit`."""
+    length = min(len(a), len(b), limit)
+    for i in range(length):
+        if a[i] != b[i]:
+            return i
+    return length
 
 
 def _format_failure(response_format: Future[CompiledFormat] | None) -> GenerationError | None:

@@ -47,9 +47,6 @@ OUTCOME = "outcome"
 CALLER = "caller"
 """The caller's name from the token file; never a token."""
 
-OUTCOMES = tuple(outcome.value for outcome in Outcome)
-"""Every value of the outcome attribute: the engine's five plus the refusals of the API edge."""
-
 # Bucket boundaries in seconds, from the GenAI semantic conventions' advice for these metrics.
 REQUEST_DURATION_BUCKETS = tuple(0.01 * 2**i for i in range(14))  # 0.01 s doubling to 81.92 s
 TIME_TO_FIRST_TOKEN_BUCKETS = (
