@@ -22,6 +22,7 @@ import pytest
 from pydantic import BaseModel
 
 from tests.conftest import DEFAULT_MODEL_NAME
+from tests.support.tools import FORCE_WEATHER, WEATHER_RESULT, WEATHER_TOOL
 
 pytestmark = pytest.mark.slow
 
@@ -29,7 +30,6 @@ pytestmark = pytest.mark.slow
 os.environ.setdefault("LITELLM_LOCAL_MODEL_COST_MAP", "True")
 
 QUESTION = "What is the weather in Paris?"
-WEATHER_RESULT = "18 degrees Celsius and sunny"
 
 
 class Person(BaseModel):
@@ -40,17 +40,6 @@ class Person(BaseModel):
 def get_weather(city: str) -> str:
     """The current weather in a city."""
     return WEATHER_RESULT
-
-
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
-FORCE_WEATHER = {"type": "function", "function": {"name": "get_weather"}}
 
 
 def assert_city(arguments: str | dict[str, Any]) -> None:

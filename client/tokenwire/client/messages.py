@@ -161,13 +161,14 @@ def completion_choice(message: pb.Completion) -> CompletionChoice:
 
 
 def _chat_message(message: ChatMessage) -> pb.ChatMessage:
-    return pb.ChatMessage(
-        role=message.role,
-        content=message.content,
-        tool_calls=[pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls],
-        tool_call_id=message.tool_call_id,
-        name=message.name,
-    )
+    chat = pb.ChatMessage(role=message.role, content=message.content)
+    if message.tool_calls or message.tool_call_id or message.name:
+        chat.tool.tool_calls.extend(
+            pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls
+        )
+        chat.tool.tool_call_id = message.tool_call_id
+        chat.tool.name = message.name
+    return chat
 
 
 def _tool_call(message: pb.ToolCall) -> ToolCall:

@@ -26,7 +26,7 @@ from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb
 from google.rpc import status_pb2 as google_dot_rpc_dot_status__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tokenwire/v1/inference_service.proto\x12\x0ctokenwire.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17google/rpc/status.proto\"\xfd\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.tokenwire.v1.ChatMessage\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x16.tokenwire.v1.TokenIds\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.tokenwire.v1.SamplingParams\x12\x30\n\x08stopping\x18\x07 \x01(\x0b\x32\x1e.tokenwire.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12*\n\x07timeout\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x0fresponse_format\x18\x0b \x01(\x0b\x32\x1c.tokenwire.v1.ResponseFormat\x12(\n\x08priority\x18\x0c \x01(\x0e\x32\x16.tokenwire.v1.Priority\x12\x17\n\x0fidempotency_key\x18\r \x01(\t\x12\t\n\x01n\x18\x0e \x01(\x05\x12+\n\x05tools\x18\x0f \x03(\x0b\x32\x1c.tokenwire.v1.ToolDefinition\x12-\n\x0btool_choice\x18\x10 \x01(\x0b\x32\x18.tokenwire.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x11 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x16\n\x14_parallel_tool_calls\"G\n\x0eToolDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"T\n\nToolChoice\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.tokenwire.v1.ToolChoiceModeH\x00\x12\x0e\n\x04name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"}\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.tokenwire.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"|\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12*\n\ntool_calls\x18\x03 \x03(\x0b\x32\x16.tokenwire.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12?\n\nlogit_bias\x18\x07 \x03(\x0b\x32+.tokenwire.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"d\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\x8c\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x05\"\xc7\x02\n\x06Timing\x12)\n\x06queued\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x05 \x01(\x01\x12\x38\n\x15time_per_output_token\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05paced\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.tokenwire.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xd8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenwire.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenwire.v1.Usage\x12$\n\x06timing\x18\x07 \x01(\x0b\x32\x14.tokenwire.v1.Timing\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.tokenwire.v1.TokenLogprob\x12)\n\x07\x63hoices\x18\t \x03(\x0b\x32\x18.tokenwire.v1.Completion\x12*\n\ntool_calls\x18\n \x03(\x0b\x32\x16.tokenwire.v1.ToolCall\"\xc9\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.tokenwire.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.tokenwire.v1.TokenLogprob\x12*\n\ntool_calls\x18\x06 \x03(\x0b\x32\x16.tokenwire.v1.ToolCall\"\x84\x01\n\x15StreamGenerateRequest\x12\x31\n\x08generate\x18\x01 \x01(\x0b\x32\x1d.tokenwire.v1.GenerateRequestH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.tokenwire.v1.CancelRequestH\x00\x42\t\n\x07request\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8c\x02\n\x16StreamGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06queued\x18\x02 \x01(\x0b\x32\x14.tokenwire.v1.QueuedH\x00\x12(\n\x07started\x18\x03 \x01(\x0b\x32\x15.tokenwire.v1.StartedH\x00\x12)\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.tokenwire.v1.TokenChunkH\x00\x12\x33\n\tcompleted\x18\x05 \x01(\x0b\x32\x1e.tokenwire.v1.GenerateResponseH\x00\x12#\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\x07\n\x05\x65vent\"\x1a\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\x05\"K\n\x07Started\x12)\n\x06queued\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\"\x9b\x01\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.tokenwire.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\x05\x12/\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1b.tokenwire.v1.ToolCallDelta\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tokenwire.v1.ModelInfo\"\x9c\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x12\n\nis_default\x18\x05 \x01(\x08\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x05\x12\x0e\n\x06\x66ormat\x18\x07 \x01(\t*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*h\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x14\n\x10PRIORITY_DEFAULT\x10\x02\x12\x12\n\x0ePRIORITY_BATCH\x10\x03*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xe8\x02\n\x10InferenceService\x12I\n\x08Generate\x12\x1d.tokenwire.v1.GenerateRequest\x1a\x1e.tokenwire.v1.GenerateResponse\x12_\n\x0eStreamGenerate\x12#.tokenwire.v1.StreamGenerateRequest\x1a$.tokenwire.v1.StreamGenerateResponse(\x01\x30\x01\x12W\n\x0eGenerateStream\x12\x1d.tokenwire.v1.GenerateRequest\x1a$.tokenwire.v1.StreamGenerateResponse0\x01\x12O\n\nListModels\x12\x1f.tokenwire.v1.ListModelsRequest\x1a .tokenwire.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n$tokenwire/v1/inference_service.proto\x12\x0ctokenwire.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x17google/rpc/status.proto\"\xfd\x04\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x06prompt\x18\x03 \x01(\tH\x00\x88\x01\x01\x12+\n\x08messages\x18\x04 \x03(\x0b\x32\x19.tokenwire.v1.ChatMessage\x12)\n\ttoken_ids\x18\x05 \x01(\x0b\x32\x16.tokenwire.v1.TokenIds\x12.\n\x08sampling\x18\x06 \x01(\x0b\x32\x1c.tokenwire.v1.SamplingParams\x12\x30\n\x08stopping\x18\x07 \x01(\x0b\x32\x1e.tokenwire.v1.StoppingCriteria\x12\x10\n\x08logprobs\x18\x08 \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\t \x01(\x05\x12*\n\x07timeout\x18\n \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x35\n\x0fresponse_format\x18\x0b \x01(\x0b\x32\x1c.tokenwire.v1.ResponseFormat\x12(\n\x08priority\x18\x0c \x01(\x0e\x32\x16.tokenwire.v1.Priority\x12\x17\n\x0fidempotency_key\x18\r \x01(\t\x12\t\n\x01n\x18\x0e \x01(\x05\x12+\n\x05tools\x18\x0f \x03(\x0b\x32\x1c.tokenwire.v1.ToolDefinition\x12-\n\x0btool_choice\x18\x10 \x01(\x0b\x32\x18.tokenwire.v1.ToolChoice\x12 \n\x13parallel_tool_calls\x18\x11 \x01(\x08H\x01\x88\x01\x01\x42\t\n\x07_promptB\x16\n\x14_parallel_tool_calls\"G\n\x0eToolDefinition\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x13\n\x0b\x64\x65scription\x18\x02 \x01(\t\x12\x12\n\nparameters\x18\x03 \x01(\t\"T\n\nToolChoice\x12,\n\x04mode\x18\x01 \x01(\x0e\x32\x1c.tokenwire.v1.ToolChoiceModeH\x00\x12\x0e\n\x04name\x18\x02 \x01(\tH\x00\x42\x08\n\x06\x63hoice\"7\n\x08ToolCall\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04name\x18\x02 \x01(\t\x12\x11\n\targuments\x18\x03 \x01(\t\"K\n\rToolCallDelta\x12\r\n\x05index\x18\x01 \x01(\x05\x12\n\n\x02id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\x12\x11\n\targuments\x18\x04 \x01(\t\"}\n\x0eResponseFormat\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x0f\n\x05regex\x18\x02 \x01(\tH\x00\x12&\n\x06\x63hoice\x18\x03 \x01(\x0b\x32\x14.tokenwire.v1.ChoiceH\x00\x12\x11\n\x07grammar\x18\x04 \x01(\tH\x00\x42\x08\n\x06\x66ormat\"\x19\n\x06\x43hoice\x12\x0f\n\x07options\x18\x01 \x03(\t\"R\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12$\n\x04tool\x18\x03 \x01(\x0b\x32\x16.tokenwire.v1.ToolTurn\"Z\n\x08ToolTurn\x12*\n\ntool_calls\x18\x01 \x03(\x0b\x32\x16.tokenwire.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x02 \x01(\t\x12\x0c\n\x04name\x18\x03 \x01(\t\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xf2\x02\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x02H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x01\x88\x01\x01\x12\r\n\x05min_p\x18\x04 \x01(\x02\x12\x1f\n\x12repetition_penalty\x18\x05 \x01(\x02H\x02\x88\x01\x01\x12\x11\n\x04seed\x18\x06 \x01(\x04H\x03\x88\x01\x01\x12?\n\nlogit_bias\x18\x07 \x03(\x0b\x32+.tokenwire.v1.SamplingParams.LogitBiasEntry\x12\x18\n\x10presence_penalty\x18\x08 \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x02\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x15\n\x13_repetition_penaltyB\x07\n\x05_seed\"d\n\x10StoppingCriteria\x12\x1b\n\x0emax_new_tokens\x18\x01 \x01(\x05H\x00\x88\x01\x01\x12\x0c\n\x04stop\x18\x02 \x03(\t\x12\x12\n\nignore_eos\x18\x03 \x01(\x08\x42\x11\n\x0f_max_new_tokens\"\x8c\x01\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\x05\x12\x1d\n\x15\x61\x63\x63\x65pted_draft_tokens\x18\x04 \x01(\x05\x12\x14\n\x0c\x64raft_tokens\x18\x05 \x01(\x05\"\xc7\x02\n\x06Timing\x12)\n\x06queued\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x36\n\x13time_to_first_token\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\x12*\n\x07prefill\x18\x03 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05total\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12 \n\x18\x64\x65\x63ode_tokens_per_second\x18\x05 \x01(\x01\x12\x38\n\x15time_per_output_token\x18\x06 \x01(\x0b\x32\x19.google.protobuf.Duration\x12(\n\x05paced\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\"p\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12.\n\x0ctop_logprobs\x18\x04 \x03(\x0b\x32\x18.tokenwire.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xd8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x31\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x1a.tokenwire.v1.FinishReason\x12\"\n\x05usage\x18\x06 \x01(\x0b\x32\x13.tokenwire.v1.Usage\x12$\n\x06timing\x18\x07 \x01(\x0b\x32\x14.tokenwire.v1.Timing\x12,\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1a.tokenwire.v1.TokenLogprob\x12)\n\x07\x63hoices\x18\t \x03(\x0b\x32\x18.tokenwire.v1.Completion\x12*\n\ntool_calls\x18\n \x03(\x0b\x32\x16.tokenwire.v1.ToolCall\"\xc9\x01\n\nCompletion\x12\r\n\x05index\x18\x01 \x01(\x05\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x31\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1a.tokenwire.v1.FinishReason\x12,\n\x08logprobs\x18\x05 \x03(\x0b\x32\x1a.tokenwire.v1.TokenLogprob\x12*\n\ntool_calls\x18\x06 \x03(\x0b\x32\x16.tokenwire.v1.ToolCall\"\x84\x01\n\x15StreamGenerateRequest\x12\x31\n\x08generate\x18\x01 \x01(\x0b\x32\x1d.tokenwire.v1.GenerateRequestH\x00\x12-\n\x06\x63\x61ncel\x18\x02 \x01(\x0b\x32\x1b.tokenwire.v1.CancelRequestH\x00\x42\t\n\x07request\"#\n\rCancelRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x8c\x02\n\x16StreamGenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x06queued\x18\x02 \x01(\x0b\x32\x14.tokenwire.v1.QueuedH\x00\x12(\n\x07started\x18\x03 \x01(\x0b\x32\x15.tokenwire.v1.StartedH\x00\x12)\n\x05\x63hunk\x18\x04 \x01(\x0b\x32\x18.tokenwire.v1.TokenChunkH\x00\x12\x33\n\tcompleted\x18\x05 \x01(\x0b\x32\x1e.tokenwire.v1.GenerateResponseH\x00\x12#\n\x05\x65rror\x18\x06 \x01(\x0b\x32\x12.google.rpc.StatusH\x00\x42\x07\n\x05\x65vent\"\x1a\n\x06Queued\x12\x10\n\x08position\x18\x01 \x01(\x05\"K\n\x07Started\x12)\n\x06queued\x18\x01 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x15\n\rprompt_tokens\x18\x02 \x01(\x05\"\x9b\x01\n\nTokenChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12,\n\x08logprobs\x18\x03 \x03(\x0b\x32\x1a.tokenwire.v1.TokenLogprob\x12\r\n\x05index\x18\x04 \x01(\x05\x12/\n\ntool_calls\x18\x05 \x03(\x0b\x32\x1b.tokenwire.v1.ToolCallDelta\"\x13\n\x11ListModelsRequest\"=\n\x12ListModelsResponse\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.tokenwire.v1.ModelInfo\"\x9c\x01\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x16\n\x0e\x63ontext_length\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x19\n\x11has_chat_template\x18\x04 \x01(\x08\x12\x12\n\nis_default\x18\x05 \x01(\x08\x12\x16\n\x0emax_batch_size\x18\x06 \x01(\x05\x12\x0e\n\x06\x66ormat\x18\x07 \x01(\t*\x87\x01\n\x0eToolChoiceMode\x12 \n\x1cTOOL_CHOICE_MODE_UNSPECIFIED\x10\x00\x12\x19\n\x15TOOL_CHOICE_MODE_AUTO\x10\x01\x12\x19\n\x15TOOL_CHOICE_MODE_NONE\x10\x02\x12\x1d\n\x19TOOL_CHOICE_MODE_REQUIRED\x10\x03*h\n\x08Priority\x12\x18\n\x14PRIORITY_UNSPECIFIED\x10\x00\x12\x18\n\x14PRIORITY_INTERACTIVE\x10\x01\x12\x14\n\x10PRIORITY_DEFAULT\x10\x02\x12\x12\n\x0ePRIORITY_BATCH\x10\x03*\xb1\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x15\n\x11\x46INISH_REASON_EOS\x10\x02\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x03\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x04\x12\x1c\n\x18\x46INISH_REASON_TOOL_CALLS\x10\x05\x32\xe8\x02\n\x10InferenceService\x12I\n\x08Generate\x12\x1d.tokenwire.v1.GenerateRequest\x1a\x1e.tokenwire.v1.GenerateResponse\x12_\n\x0eStreamGenerate\x12#.tokenwire.v1.StreamGenerateRequest\x1a$.tokenwire.v1.StreamGenerateResponse(\x01\x30\x01\x12W\n\x0eGenerateStream\x12\x1d.tokenwire.v1.GenerateRequest\x1a$.tokenwire.v1.StreamGenerateResponse0\x01\x12O\n\nListModels\x12\x1f.tokenwire.v1.ListModelsRequest\x1a .tokenwire.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,12 +35,12 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_TOOLCHOICEMODE']._serialized_start=3976
-  _globals['_TOOLCHOICEMODE']._serialized_end=4111
-  _globals['_PRIORITY']._serialized_start=4113
-  _globals['_PRIORITY']._serialized_end=4217
-  _globals['_FINISHREASON']._serialized_start=4220
-  _globals['_FINISHREASON']._serialized_end=4397
+  _globals['_TOOLCHOICEMODE']._serialized_start=4026
+  _globals['_TOOLCHOICEMODE']._serialized_end=4161
+  _globals['_PRIORITY']._serialized_start=4163
+  _globals['_PRIORITY']._serialized_end=4267
+  _globals['_FINISHREASON']._serialized_start=4270
+  _globals['_FINISHREASON']._serialized_end=4447
   _globals['_GENERATEREQUEST']._serialized_start=112
   _globals['_GENERATEREQUEST']._serialized_end=749
   _globals['_TOOLDEFINITION']._serialized_start=751
@@ -56,45 +56,47 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CHOICE']._serialized_start=1171
   _globals['_CHOICE']._serialized_end=1196
   _globals['_CHATMESSAGE']._serialized_start=1198
-  _globals['_CHATMESSAGE']._serialized_end=1322
-  _globals['_TOKENIDS']._serialized_start=1324
-  _globals['_TOKENIDS']._serialized_end=1347
-  _globals['_SAMPLINGPARAMS']._serialized_start=1350
-  _globals['_SAMPLINGPARAMS']._serialized_end=1720
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1614
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1662
-  _globals['_STOPPINGCRITERIA']._serialized_start=1722
-  _globals['_STOPPINGCRITERIA']._serialized_end=1822
-  _globals['_USAGE']._serialized_start=1825
-  _globals['_USAGE']._serialized_end=1965
-  _globals['_TIMING']._serialized_start=1968
-  _globals['_TIMING']._serialized_end=2295
-  _globals['_TOKENLOGPROB']._serialized_start=2297
-  _globals['_TOKENLOGPROB']._serialized_end=2409
-  _globals['_TOPLOGPROB']._serialized_start=2411
-  _globals['_TOPLOGPROB']._serialized_end=2473
-  _globals['_GENERATERESPONSE']._serialized_start=2476
-  _globals['_GENERATERESPONSE']._serialized_end=2820
-  _globals['_COMPLETION']._serialized_start=2823
-  _globals['_COMPLETION']._serialized_end=3024
-  _globals['_STREAMGENERATEREQUEST']._serialized_start=3027
-  _globals['_STREAMGENERATEREQUEST']._serialized_end=3159
-  _globals['_CANCELREQUEST']._serialized_start=3161
-  _globals['_CANCELREQUEST']._serialized_end=3196
-  _globals['_STREAMGENERATERESPONSE']._serialized_start=3199
-  _globals['_STREAMGENERATERESPONSE']._serialized_end=3467
-  _globals['_QUEUED']._serialized_start=3469
-  _globals['_QUEUED']._serialized_end=3495
-  _globals['_STARTED']._serialized_start=3497
-  _globals['_STARTED']._serialized_end=3572
-  _globals['_TOKENCHUNK']._serialized_start=3575
-  _globals['_TOKENCHUNK']._serialized_end=3730
-  _globals['_LISTMODELSREQUEST']._serialized_start=3732
-  _globals['_LISTMODELSREQUEST']._serialized_end=3751
-  _globals['_LISTMODELSRESPONSE']._serialized_start=3753
-  _globals['_LISTMODELSRESPONSE']._serialized_end=3814
-  _globals['_MODELINFO']._serialized_start=3817
-  _globals['_MODELINFO']._serialized_end=3973
-  _globals['_INFERENCESERVICE']._serialized_start=4400
-  _globals['_INFERENCESERVICE']._serialized_end=4760
+  _globals['_CHATMESSAGE']._serialized_end=1280
+  _globals['_TOOLTURN']._serialized_start=1282
+  _globals['_TOOLTURN']._serialized_end=1372
+  _globals['_TOKENIDS']._serialized_start=1374
+  _globals['_TOKENIDS']._serialized_end=1397
+  _globals['_SAMPLINGPARAMS']._serialized_start=1400
+  _globals['_SAMPLINGPARAMS']._serialized_end=1770
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=1664
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=1712
+  _globals['_STOPPINGCRITERIA']._serialized_start=1772
+  _globals['_STOPPINGCRITERIA']._serialized_end=1872
+  _globals['_USAGE']._serialized_start=1875
+  _globals['_USAGE']._serialized_end=2015
+  _globals['_TIMING']._serialized_start=2018
+  _globals['_TIMING']._serialized_end=2345
+  _globals['_TOKENLOGPROB']._serialized_start=2347
+  _globals['_TOKENLOGPROB']._serialized_end=2459
+  _globals['_TOPLOGPROB']._serialized_start=2461
+  _globals['_TOPLOGPROB']._serialized_end=2523
+  _globals['_GENERATERESPONSE']._serialized_start=2526
+  _globals['_GENERATERESPONSE']._serialized_end=2870
+  _globals['_COMPLETION']._serialized_start=2873
+  _globals['_COMPLETION']._serialized_end=3074
+  _globals['_STREAMGENERATEREQUEST']._serialized_start=3077
+  _globals['_STREAMGENERATEREQUEST']._serialized_end=3209
+  _globals['_CANCELREQUEST']._serialized_start=3211
+  _globals['_CANCELREQUEST']._serialized_end=3246
+  _globals['_STREAMGENERATERESPONSE']._serialized_start=3249
+  _globals['_STREAMGENERATERESPONSE']._serialized_end=3517
+  _globals['_QUEUED']._serialized_start=3519
+  _globals['_QUEUED']._serialized_end=3545
+  _globals['_STARTED']._serialized_start=3547
+  _globals['_STARTED']._serialized_end=3622
+  _globals['_TOKENCHUNK']._serialized_start=3625
+  _globals['_TOKENCHUNK']._serialized_end=3780
+  _globals['_LISTMODELSREQUEST']._serialized_start=3782
+  _globals['_LISTMODELSREQUEST']._serialized_end=3801
+  _globals['_LISTMODELSRESPONSE']._serialized_start=3803
+  _globals['_LISTMODELSRESPONSE']._serialized_end=3864
+  _globals['_MODELINFO']._serialized_start=3867
+  _globals['_MODELINFO']._serialized_end=4023
+  _globals['_INFERENCESERVICE']._serialized_start=4450
+  _globals['_INFERENCESERVICE']._serialized_end=4810
 # @@protoc_insertion_point(module_scope)

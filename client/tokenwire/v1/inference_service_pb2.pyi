@@ -370,7 +370,7 @@ Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
 @_typing.final
 class ToolCall(_message.Message):
     """ToolCall is one call of a tool: made by the model (GenerateResponse.tool_calls), or earlier in a
-    conversation (ChatMessage.tool_calls).
+    conversation (ChatMessage.tool).
     """
 
     DESCRIPTOR: _descriptor.Descriptor
@@ -380,7 +380,7 @@ class ToolCall(_message.Message):
     ARGUMENTS_FIELD_NUMBER: _builtins.int
     id: _builtins.str
     """The call's id: "call_" and 24 hexadecimal digits, or nine letters and digits for a model of
-    the Mistral format. A "tool" message answers the call with this id in ChatMessage.tool_call_id.
+    the Mistral format. A "tool" message answers the call with this id in ChatMessage.tool.tool_call_id.
     """
     name: _builtins.str
     """The tool called."""
@@ -520,37 +520,64 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
-    TOOL_CALLS_FIELD_NUMBER: _builtins.int
-    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
-    NAME_FIELD_NUMBER: _builtins.int
+    TOOL_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """Who speaks: "system", "user", "assistant" or "tool"."""
     content: _builtins.str
     """What was said; plain text (see GenerateRequest.messages about control-token markup)."""
-    tool_call_id: _builtins.str
-    """On a "tool" message: the id of the call it answers."""
-    name: _builtins.str
-    """On a "tool" message: the tool that answered. Optional."""
     @_builtins.property
-    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
-        """The calls an assistant message made (then `content` may be empty)."""
+    def tool(self) -> Global___ToolTurn:
+        """The turn's part in tool calling: an assistant message's calls, or the call a "tool" message
+        answers. Unset for other turns. (One sub-message, so that a conversation without tools costs
+        a server decoding it no more memory per message than before.)
+        """
 
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool: Global___ToolTurn | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool", b"tool"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool", b"tool"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ToolTurn(_message.Message):
+    """ToolTurn is a chat message's part in tool calling."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    tool_call_id: _builtins.str
+    """On a "tool" message: the id of the call it answers."""
+    name: _builtins.str
+    """On a "tool" message: the tool that answered. Optional."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The calls an assistant message made (its `content` may then be empty)."""
+
+    def __init__(
+        self,
+        *,
         tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
         tool_call_id: _builtins.str = ...,
         name: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "name", b"name", "role", b"role", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
-Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+Global___ToolTurn: _TypeAlias = ToolTurn  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):

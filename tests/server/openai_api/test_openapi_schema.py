@@ -27,14 +27,6 @@ from tests.support.openapi_schema import (
 from tokenwire.server.app import TokenwireServer
 
 CHAT = [{"role": "user", "content": "Name a colour"}]
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The weather in a city",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 
 
 async def post(server: TokenwireServer, path: str, body: dict[str, Any]) -> tuple[int, bytes]:

@@ -15,19 +15,12 @@ import pytest
 from tests.conftest import DEFAULT_MODEL_NAME
 from tests.server.openai_api.raw_http import request
 from tests.support.openapi_schema import CHAT_CHUNK, CHAT_COMPLETION, sse_events, validate
+from tests.support.tools import FORCE_WEATHER, WEATHER_RESULT, WEATHER_TOOL
 
 pytestmark = pytest.mark.slow
 
-WEATHER_TOOL = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "The current weather in a city.",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
-FORCED = {"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
+FORCED = {"tools": [WEATHER_TOOL], "tool_choice": FORCE_WEATHER}
 
 
 async def chat(api: str, body: dict[str, Any]) -> Any:
@@ -74,7 +67,7 @@ async def test_a_tool_result_goes_back_and_the_model_answers(default_model_api: 
     conversation = [
         *QUESTION,
         {"role": "assistant", "content": None, "tool_calls": message["tool_calls"]},
-        {"role": "tool", "tool_call_id": call["id"], "content": "18 degrees Celsius and sunny"},
+        {"role": "tool", "tool_call_id": call["id"], "content": WEATHER_RESULT},
     ]
     answer = json.loads(
         await chat(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from google.protobuf.duration_pb2 import Duration
 
 from tokenwire.server.api.admission import AdmissionInput
@@ -95,10 +97,12 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
             ChatTurn(
                 m.role,
                 m.content,
-                tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool_calls),
-                m.tool_call_id,
-                m.name,
+                tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool.tool_calls),
+                m.tool.tool_call_id,
+                m.tool.name,
             )
+            if m.HasField("tool")
+            else ChatTurn(m.role, m.content)
             for m in message.messages
         ),
         token_ids=tuple(message.token_ids.ids) if message.HasField("token_ids") else None,
@@ -193,9 +197,13 @@ _REQUEST_PATHS = {
 }
 
 
+_TOOL_TURN_FIELD = re.compile(r"^(messages\[\d+\])\.(tool_calls|tool_call_id|name)")
+"""A message's tool fields, which ChatMessage holds in its `tool` sub-message."""
+
+
 def request_field_path(violation: FieldViolation) -> str:
     """The GenerateRequest path of a violation the engine names in RequestSpec terms."""
-    field = violation.field
+    field = _TOOL_TURN_FIELD.sub(r"\1.tool.\2", violation.field)
     end = min((i for i in (field.find("["), field.find(".")) if i >= 0), default=len(field))
     name, rest = field[:end], field[end:]
     if violation.presence:
