@@ -38,7 +38,9 @@ import pytest
 from google.rpc import error_details_pb2, status_pb2
 
 from tests.reliability.conftest import heavy_requested
+from tests.reliability.measuring_process import MeasuringProcess
 from tests.reliability.server_process import procfs_available, read_rss_bytes
+from tests.support.serve_process import announced_ports, ended
 from tokenwire.server.model_tools.tiny_tokenizer import TURN_END, TURN_START
 from tokenwire.server.models.loader import LoadSettings, ModelDirectoryError, load_model
 from tokenwire.server.models.session import SessionSettings
@@ -154,63 +156,23 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         env={**os.environ, "TOKENWIRE_AUTH_TOKENS": TOKEN},
     )
     log.close()
-    assert process.stdout is not None
-    port = metrics_port = http_port = 0
-    for line in process.stdout:
-        if "metrics on" in line:
-            metrics_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
-        if "OpenAI-compatible API on" in line:
-            http_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
-        if "serving on" in line:
-            port = int(line.rsplit(":", 1)[1])
-            break
-    assert port, f"server exited with {process.poll()}: {log_path.read_text()[-2000:]}"
-    yield Server(process, port, metrics_port, log_path, http_port)
-    process.terminate()
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
-        process.wait()
+    ports = announced_ports(process)
+    assert ports.grpc, f"server exited with {process.poll()}: {log_path.read_text()[-2000:]}"
+    yield Server(process, ports.grpc, ports.metrics, log_path, ports.http)
+    ended(process)
 
 
-class Innocent:
+class Innocent(MeasuringProcess):
     """The innocent client's process; windows of measurement are opened and closed on its stdin."""
 
     def __init__(self, target: str) -> None:
-        self._process = subprocess.Popen(
-            [sys.executable, "-m", "tests.reliability.innocent_client", target, TOKEN],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            cwd=Path(__file__).resolve().parents[2],
-        )
-        assert json.loads(self._reply()).get("ready"), "the innocent client never streamed"
-
-    def _reply(self) -> str:
-        assert self._process.stdout is not None
-        line = self._process.stdout.readline()
-        assert line, f"the innocent client exited with {self._process.poll()}"
-        return line
-
-    def _send(self, command: str) -> str:
-        assert self._process.stdin is not None
-        self._process.stdin.write(command + "\n")
-        self._process.stdin.flush()
-        return self._reply()
+        super().__init__("tests.reliability.innocent_client", target, TOKEN)
 
     def start(self) -> None:
-        self._send("start")
+        self.command("start")
 
     def stop(self) -> dict[str, Any]:
-        figures: dict[str, Any] = json.loads(self._send("stop"))
-        return figures
-
-    def close(self) -> None:
-        if self._process.stdin is not None:
-            self._process.stdin.close()
-        self._process.terminate()
-        self._process.wait(10)
+        return self.command("stop")
 
 
 @pytest.fixture(scope="module")

@@ -55,3 +55,59 @@ def start_serve(*flags: str, log: Path | None = None) -> ServeProcess:
         if "serving on" in line:
             return ServeProcess(process, int(line.rsplit(":", 1)[1]), metrics_port, http_port)
     raise AssertionError(f"server exited with {process.wait()} before serving")
+
+
+def serve_refused(model: Path, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`tokenwire serve --model MODEL` run to its end, for a model it must refuse to load."""
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "tokenwire.server.cli",
+            "serve",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            "0",
+            "--no-metrics",
+            "--device",
+            "cpu",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+@dataclass(frozen=True)
+class Ports:
+    grpc: int
+    metrics: int = 0
+    http: int = 0
+
+
+def announced_ports(process: subprocess.Popen[str]) -> Ports:
+    """The ports `tokenwire serve` printed on its stdout, read up to its "serving on" line (all 0
+    when it exited before serving)."""
+    assert process.stdout is not None
+    metrics = http = 0
+    for line in process.stdout:
+        if "metrics on" in line:
+            metrics = int(line.rsplit(":", 1)[1].split("/", 1)[0])
+        if "OpenAI-compatible API on" in line:
+            http = int(line.rsplit(":", 1)[1].split("/", 1)[0])
+        if "serving on" in line:
+            return Ports(int(line.rsplit(":", 1)[1]), metrics, http)
+    return Ports(0)
+
+
+def ended(process: subprocess.Popen[str], timeout: float = 30) -> None:
+    """Stop a server process: SIGTERM (it drains), then SIGKILL if it is still there after `timeout`."""
+    process.terminate()
+    try:
+        process.wait(timeout)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()

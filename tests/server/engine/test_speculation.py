@@ -22,6 +22,7 @@ from tests.support.fake_runner import FollowingRunner, ManualClock
 from tokenwire.server.engine.engine import Engine, EngineConfig
 from tokenwire.server.engine.speculation import (
     ADAPTIVE_WINDOW,
+    NEIGHBOUR_SHARE,
     PAUSE_STEPS,
     DraftHistory,
     record_verification,
@@ -365,10 +366,11 @@ def test_a_cancel_lands_at_the_next_step_boundary_with_every_token_of_the_steps_
     assert bench.keys["r"] not in bench.runner.kv, "its KV cache is freed at once"
 
 
-def test_a_stream_sharing_steps_with_a_speculating_one_is_slowed_by_at_most_a_quarter() -> None:
+def test_a_stream_sharing_steps_with_a_speculating_one_is_slowed_by_at_most_its_share() -> None:
     # A verification is a model call of its own: 10 ms, and 1 ms a position, on top of a 10 ms
     # step. Unbounded, the attacker's drafts (its prompt repeats what the model says) would make
-    # every step 2.5 times as long for its neighbour.
+    # every step 2.5 times as long for its neighbour (1.6x measured with the budget never
+    # applied).
     def neighbour_time_per_token(speculative_tokens: int) -> tuple[float, Bench]:
         bench = Bench(
             speculative_tokens=speculative_tokens, run_call_seconds=0.01, run_position_seconds=0.001
@@ -387,4 +389,5 @@ def test_a_stream_sharing_steps_with_a_speculating_one_is_slowed_by_at_most_a_qu
 
     assert on.result("neighbour").token_ids == off.result("neighbour").token_ids
     assert on.engine.stats.accepted_draft_tokens > 0, "the attacker still speculates, within its share"
-    assert shared / plain <= 1.25 + 0.05, (shared, plain)
+    # The share of a plain step, and a step's rounding at the start and the end of the run.
+    assert shared / plain <= 1 + NEIGHBOUR_SHARE + 0.05, (shared, plain)

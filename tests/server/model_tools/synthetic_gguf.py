@@ -10,6 +10,7 @@ Q/K row order, so the converter's un-permutation is checked, not assumed.
 from __future__ import annotations
 
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,9 @@ from gguf.quants import dequantize, quantize
 from tokenizers import Tokenizer
 
 from tests.server.model_tools.llama_reference import ReferenceLayer, ReferenceModel
+from tokenwire.server.model_tools.convert import GraphOptions, build_llama_graph, convert_gguf, read_gguf
+from tokenwire.server.model_tools.convert.llama_graph import save_model
+from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 from tokenwire.server.model_tools.tiny_tokenizer import (
     CHATML_TEMPLATE,
     END_OF_TEXT,
@@ -106,6 +110,19 @@ def tokenizer_vocabulary(tokenizer: Tokenizer) -> tuple[list[str], list[str], li
 
 # What each family adds to Llama in its GGUF files (llama.cpp's tensor and metadata names).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+WINDOW = 8  # shorter than the prompts the family tests run
+# write_synthetic_gguf's arguments for each case the family tests cover: every family, sliding
+# windows where the family has them, and Gemma 3 with only global layers.
+FAMILY_CASES: dict[str, dict[str, object]] = {
+    "llama": {},
+    "mistral": {"arch": "llama", "sliding_window": WINDOW},
+    "qwen2": {"arch": "qwen2"},
+    "qwen3": {"arch": "qwen3"},
+    "gemma2": {"arch": "gemma2", "sliding_window": WINDOW},
+    "gemma3": {"arch": "gemma3", "sliding_window": WINDOW},
+    "gemma3-global": {"arch": "gemma3"},
+    "phi3": {"arch": "phi3"},
+}
 # Soft caps small enough to change the numbers of this random model (real Gemma 2: 50 and 30).
 GEMMA2_ATTENTION_SOFTCAP = 1.0
 GEMMA2_FINAL_SOFTCAP = 8.0
@@ -265,3 +282,18 @@ def write_synthetic_gguf(
         local_rope_theta=ROPE_THETA if arch == "gemma3" else None,
     )
     return SyntheticGguf(path=path, reference=reference, tokenizer=tokenizer, eos_token_id=eos)
+
+
+def exact_model(gguf_path: Path, directory: Path, *, lora: LoraOptions | None = None) -> Path:
+    """The file as a float32 graph with exact offsets (only float32 rounding separates it from the
+    reference), optionally with LoRA sites, beside the converter's genai_config.json."""
+    source = read_gguf(gguf_path)
+    options = GraphOptions(accuracy_level=0, offsets="float", lora=lora)
+    save_model(
+        build_llama_graph(source.config, source.weights, options),
+        directory / "model.onnx",
+        external_data=False,
+    )
+    converted = convert_gguf(gguf_path, directory / "converted")
+    shutil.copy(converted / "genai_config.json", directory)
+    return directory

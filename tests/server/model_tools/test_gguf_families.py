@@ -8,7 +8,6 @@ Sliding windows are shorter than the prompts, in prefill, in chunked prefill and
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -16,58 +15,38 @@ import pytest
 
 from tests.server.model_tools.llama_reference import forward, mean_kl
 from tests.server.model_tools.shared_buffer_driver import SharedBufferDriver
-from tests.server.model_tools.synthetic_gguf import MIXED_FORMATS, VOCAB, SyntheticGguf, write_synthetic_gguf
-from tokenwire.server.model_tools.convert import GraphOptions, build_llama_graph, convert_gguf, read_gguf
-from tokenwire.server.model_tools.convert.llama_graph import save_model
-
-WINDOW = 8  # shorter than every prompt below
-
-CASES = {
-    "llama": {},
-    "mistral": {"arch": "llama", "sliding_window": WINDOW},
-    "qwen2": {"arch": "qwen2"},
-    "qwen3": {"arch": "qwen3"},
-    "gemma2": {"arch": "gemma2", "sliding_window": WINDOW},
-    "gemma3": {"arch": "gemma3", "sliding_window": WINDOW},
-    "gemma3-global": {"arch": "gemma3"},
-    "phi3": {"arch": "phi3"},
-}
+from tests.server.model_tools.synthetic_gguf import (
+    FAMILY_CASES,
+    MIXED_FORMATS,
+    VOCAB,
+    WINDOW,
+    SyntheticGguf,
+    exact_model,
+    write_synthetic_gguf,
+)
+from tokenwire.server.model_tools.convert import convert_gguf
 
 
 def _prompt(seed: int, length: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(3, VOCAB, size=length)]
 
 
-@pytest.fixture(scope="module", params=sorted(CASES))
+@pytest.fixture(scope="module", params=sorted(FAMILY_CASES))
 def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> SyntheticGguf:
     path = tmp_path_factory.mktemp("families") / f"{request.param}.gguf"
-    return write_synthetic_gguf(path, formats=MIXED_FORMATS, seed=3, **CASES[request.param])  # type: ignore[arg-type]
-
-
-def _exact_model(synthetic: SyntheticGguf, directory: Path) -> Path:
-    """float32 compute with exact offsets: only float32 rounding separates it from the reference."""
-    source = read_gguf(synthetic.path)
-    options = GraphOptions(accuracy_level=0, offsets="float")
-    save_model(
-        build_llama_graph(source.config, source.weights, options),
-        directory / "model.onnx",
-        external_data=False,
-    )
-    converted = convert_gguf(synthetic.path, directory / "converted")
-    shutil.copy(converted / "genai_config.json", directory)
-    return directory
+    return write_synthetic_gguf(path, formats=MIXED_FORMATS, seed=3, **FAMILY_CASES[request.param])  # type: ignore[arg-type]
 
 
 def test_prefill_matches_the_family_definition(family: SyntheticGguf, tmp_path: Path) -> None:
     prompt = _prompt(1, 21)
-    logits = SharedBufferDriver(_exact_model(family, tmp_path), slots=1, max_len=32).prefill(0, prompt)
+    logits = SharedBufferDriver(exact_model(family.path, tmp_path), slots=1, max_len=32).prefill(0, prompt)
     expected = forward(family.reference, prompt)
     assert expected.std() > 0.5
     np.testing.assert_allclose(logits, expected, atol=2e-4, rtol=0)
 
 
 def test_chunked_prefill_and_decode_past_the_window(family: SyntheticGguf, tmp_path: Path) -> None:
-    driver = SharedBufferDriver(_exact_model(family, tmp_path), slots=2, max_len=40)
+    driver = SharedBufferDriver(exact_model(family.path, tmp_path), slots=2, max_len=40)
     tokens = _prompt(2, 30)
     expected = forward(family.reference, tokens)
     # Slot 1 holds a shorter sequence, so the decode batch has rows at different lengths.

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests.support.serve_process import serve_refused
 from tokenwire.server.models.loader import LoadSettings, ModelDirectoryError, load_model
 from tokenwire.server.models.session import SessionSettings
 
@@ -78,26 +77,7 @@ def test_a_negative_context_length_in_genai_config_is_refused(tiny_llama_dir: Pa
 
 def test_serve_exits_with_one_line_naming_file_and_field(tiny_model_dir: Path, tmp_path: Path) -> None:
     model = copy_with(tiny_model_dir, tmp_path / "bad", "config.json", {"max_position_embeddings": -5})
-    finished = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire.server.cli",
-            "serve",
-            "--model",
-            str(model),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--no-metrics",
-            "--device",
-            "cpu",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    finished = serve_refused(model)
     assert finished.returncode != 0
     errors = [line for line in finished.stderr.splitlines() if "max_position_embeddings" in line]
     assert len(errors) == 1, finished.stderr

@@ -20,17 +20,26 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
     handlers = {
         "Generate": grpc.unary_unary_rpc_method_handler(
             servicer.Generate,
-            request_deserializer=tolerant(pb.GenerateRequest.FromString, "GenerateRequest"),
+            request_deserializer=tolerant(
+                pb.GenerateRequest.FromString, "GenerateRequest", pb.GenerateRequest.DESCRIPTOR
+            ),
             response_serializer=pb.GenerateResponse.SerializeToString,
         ),
         "StreamGenerate": grpc.stream_stream_rpc_method_handler(
             servicer.StreamGenerate,
-            request_deserializer=tolerant(pb.StreamGenerateRequest.FromString, "StreamGenerateRequest"),
+            request_deserializer=tolerant(
+                pb.StreamGenerateRequest.FromString,
+                "StreamGenerateRequest",
+                pb.StreamGenerateRequest.DESCRIPTOR,
+                within="generate",
+            ),
             response_serializer=pb.StreamGenerateResponse.SerializeToString,
         ),
         "GenerateStream": grpc.unary_stream_rpc_method_handler(
             servicer.GenerateStream,
-            request_deserializer=tolerant(pb.GenerateRequest.FromString, "GenerateRequest"),
+            request_deserializer=tolerant(
+                pb.GenerateRequest.FromString, "GenerateRequest", pb.GenerateRequest.DESCRIPTOR
+            ),
             response_serializer=pb.StreamGenerateResponse.SerializeToString,
         ),
         "ListModels": grpc.unary_unary_rpc_method_handler(

@@ -5,9 +5,12 @@ of its body. While it runs, a retry with the same caller, key and body attaches 
 starting a second generation: it hears what happened so far (started, then the tokens so far as
 one chunk per completion, under the completion's index) and then every event as it comes.
 After a generation ends by itself (EOS, length or a stop string) its result stays retrievable
-for `retention` seconds, within `max_bytes` of results in all (oldest dropped first). A retry
-with the same key and another body is ALREADY_EXISTS. Keys are scoped per caller, so no caller
-can reach another's generations.
+for `retention` seconds, within `max_bytes` of results in all. A result's size is what it holds
+in memory, every field counted (text, ids, each position's log-probability and its alternatives,
+each completion's own). When a new result would pass the bound, the results that go first are
+those of the caller holding the most (its oldest first), so a caller keeping many results only
+ever evicts its own while another holds less than it. A retry with the same key and another
+body is ALREADY_EXISTS. Keys are scoped per caller, so no caller can reach another's generations.
 
 Only the key makes a request idempotent: a request_id is a handle (a stream's label for events
 and cancels) and is never looked up here, so two clients numbering their requests 1, 2, 3 never
@@ -22,8 +25,9 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from tokenwire.server.engine.engine import Engine
@@ -35,7 +39,9 @@ from tokenwire.server.engine.types import (
     EventSink,
     Failed,
     FinishReason,
+    GenerationResult,
     Started,
+    TimingReport,
     TokenLogprobs,
     TokensGenerated,
 )
@@ -119,6 +125,10 @@ class GenerationRegistry:
         self._clock = clock
         self._live: dict[tuple[str, str], _Generation] = {}
         self._kept: OrderedDict[tuple[str, str], _Generation] = OrderedDict()
+        """Every kept result, oldest first (for expiry)."""
+        self._kept_by_caller: dict[str, OrderedDict[str, _Generation]] = {}
+        """Each caller's kept results by key, oldest first (for eviction)."""
+        self._caller_bytes: dict[str, int] = {}
         self._kept_bytes = 0
         self._listeners = itertools.count(1)
 
@@ -129,6 +139,11 @@ class GenerationRegistry:
     @property
     def kept_count(self) -> int:
         return len(self._kept)
+
+    @property
+    def kept_bytes(self) -> int:
+        """What the kept results hold in memory, as counted against `max_bytes`."""
+        return self._kept_bytes
 
     def listeners(self, caller: str, idempotency_key: str) -> int:
         """Calls listening to the caller's live generation with this key (0 when none runs)."""
@@ -232,28 +247,67 @@ class GenerationRegistry:
         generation.completed = completed
         generation.outputs = {}
         generation.started = Started(result.timing.queued, result.prompt_tokens)
-        # The result holds the text, the ids and the logprobs (of every completion); count them
-        # with some overhead.
-        outputs = [(result.text, result.token_ids, result.logprobs)]
-        outputs += [(choice.text, choice.token_ids, choice.logprobs) for choice in result.choices]
-        generation.size = 512 + sum(
-            64 + 4 * len(text) + 32 * len(ids) + 256 * len(logprobs) for text, ids, logprobs in outputs
-        )
+        generation.size = result_bytes(result)
         if generation.size > self._max_bytes:
             return
         generation.finished_at = self._clock()
-        key = (generation.caller, generation.idempotency_key)
-        self._kept[key] = generation
+        caller, key = generation.caller, generation.idempotency_key
+        self._kept[(caller, key)] = generation
+        self._kept_by_caller.setdefault(caller, OrderedDict())[key] = generation
+        self._caller_bytes[caller] = self._caller_bytes.get(caller, 0) + generation.size
         self._kept_bytes += generation.size
         while self._kept_bytes > self._max_bytes:
-            _, oldest = self._kept.popitem(last=False)
-            self._kept_bytes -= oldest.size
+            # The caller holding the most gives up its oldest: memory is shared between callers.
+            largest = max(self._caller_bytes, key=self._caller_bytes.__getitem__)
+            oldest_key = next(iter(self._kept_by_caller[largest]))
+            self._forget(self._kept[(largest, oldest_key)])
+
+    def _forget(self, generation: _Generation) -> None:
+        caller, key = generation.caller, generation.idempotency_key
+        del self._kept[(caller, key)]
+        mine = self._kept_by_caller[caller]
+        del mine[key]
+        self._caller_bytes[caller] -= generation.size
+        if not mine:
+            del self._kept_by_caller[caller], self._caller_bytes[caller]
+        self._kept_bytes -= generation.size
 
     def _expire(self) -> None:
         cutoff = self._clock() - self._retention
         while self._kept:
-            key, oldest = next(iter(self._kept.items()))
+            oldest = next(iter(self._kept.values()))
             if oldest.finished_at > cutoff:
                 return
-            del self._kept[key]
-            self._kept_bytes -= oldest.size
+            self._forget(oldest)
+
+
+# What kept objects weigh in memory (CPython, 64-bit), measured once from real instances: a
+# result is counted by its parts, without walking every object of it.
+_INT = sys.getsizeof(1 << 40)
+_FLOAT = sys.getsizeof(1.0)
+_ALTERNATIVE = sys.getsizeof((0, "", 0.0))
+_RECORD = sys.getsizeof(_Generation("", "", b"")) + sys.getsizeof(_Generation("", "", b"").__dict__)
+_LOGPROB = sys.getsizeof(TokenLogprobs(0, "", 0.0)) + sys.getsizeof(TokenLogprobs(0, "", 0.0).__dict__)
+_TIMING = sys.getsizeof(TimingReport(0.0, 0.0)) + sys.getsizeof(TimingReport(0.0, 0.0).__dict__) + 7 * _FLOAT
+_KEEPING = 4 * 104
+"""The record's entries in the registry's three maps, their keys and the fingerprint."""
+
+
+def result_bytes(result: GenerationResult) -> int:
+    """What keeping `result` costs in memory: its record, texts, ids, timing, and for every
+    position its log-probability with each alternative (id, text, value), for every completion.
+    Strings are counted by their own size, so text in any script weighs what it does."""
+    total = _RECORD + _KEEPING + _TIMING + sys.getsizeof(result) + sys.getsizeof(result.__dict__)
+    total += sys.getsizeof(result.request_id) + sys.getsizeof(result.model)
+    outputs: list[tuple[str, Sequence[int], Sequence[TokenLogprobs]]] = [
+        (result.text, result.token_ids, result.logprobs)
+    ]
+    outputs += [(choice.text, choice.token_ids, choice.logprobs) for choice in result.choices]
+    total += sum(sys.getsizeof(choice) + sys.getsizeof(choice.__dict__) for choice in result.choices)
+    for text, ids, logprobs in outputs:
+        total += sys.getsizeof(text) + sys.getsizeof(ids) + _INT * len(ids) + sys.getsizeof(logprobs)
+        for position in logprobs:
+            total += _LOGPROB + _INT + _FLOAT + sys.getsizeof(position.token) + sys.getsizeof(position.top)
+            total += len(position.top) * (_ALTERNATIVE + _INT + _FLOAT)
+            total += sum(sys.getsizeof(alternative) for _, alternative, _ in position.top)
+    return total

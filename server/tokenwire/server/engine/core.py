@@ -275,15 +275,17 @@ class EngineCore:
         self._observer.decode_step(model=self._model, batch_size=len(rows), seconds=now - began)
         if drafts is None:
             self._accept_tokens(requests, logits, now, outcome)
-            return
-        plain = [i for i, d in enumerate(drafts) if not d]
-        if plain:
-            self._accept_tokens(
-                [requests[i] for i in plain], np.concatenate([runs[i] for i in plain]), now, outcome
-            )
-        for request, row_drafts, row_logits in zip(requests, drafts, runs, strict=True):
-            if row_drafts:
-                self._accept_run(request, row_logits, row_drafts, now, outcome)
+        else:
+            plain = [i for i, d in enumerate(drafts) if not d]
+            if plain:
+                self._accept_tokens(
+                    [requests[i] for i in plain], np.concatenate([runs[i] for i in plain]), now, outcome
+                )
+            for request, row_drafts, row_logits in zip(requests, drafts, runs, strict=True):
+                if row_drafts:
+                    self._accept_run(request, row_logits, row_drafts, now, outcome)
+        # What the rows waited for their tokens: the model call and the sampling and verifying.
+        outcome.step_seconds = self._clock() - began
 
     def _drafts(
         self, rows: list[tuple[Request, DecodeRow]], outputs: list[RequestOutput]

@@ -150,3 +150,6 @@ class RoundOutcome:
     prompt_chunks: list[tuple[int, float]] = field(default_factory=list)
     """(tokens, seconds) of each prompt chunk the model ran, for the pacer."""
     decode_seconds: float | None = None
+    """The decode step's model call."""
+    step_seconds: float | None = None
+    """The whole decode step: its model call, then sampling and verifying the rows' tokens."""

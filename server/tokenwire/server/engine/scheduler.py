@@ -307,7 +307,6 @@ class Scheduler:
                 [False] * len(decoding) + [True] * (len(completing) + len(forked)),
                 context_length=self._config.context_length,
             ),
-            plain_step=self._pacer.decode_seconds,
         )
         named = {ending.key: ending.request for ending in endings}
         named.update((r.key, r) for r in (*self._prefilling, *self._decoding.values()))
@@ -601,22 +600,15 @@ class Scheduler:
                 ) * self._service_seconds + _SERVICE_SMOOTHING * max(0.0, finished.service_seconds)
         for tokens, seconds in outcome.prompt_chunks:
             self._pacer.observe_prefill(tokens, seconds)
-        if outcome.decode_seconds is not None:
-            self._observe_step(plan, outcome, outcome.decode_seconds)
-
-    def _observe_step(self, plan: RoundPlan | None, outcome: RoundOutcome, seconds: float) -> None:
-        """A plain step teaches the pacer a decode step's cost; one that verified drafts teaches
-        what verifying costs, and spends what it took from its neighbours."""
-        if not outcome.verified:
-            self._pacer.observe_decode(seconds)
-            return
-        rows = len(plan.decode) if plan is not None else 0
-        self._neighbours.observe(
-            step_seconds=seconds,
-            plain_step=self._pacer.decode_seconds,
-            positions=sum(v.drafted + 1 for v in outcome.verified.values()),
-            shared=rows > len(outcome.verified),
-        )
+        if outcome.decode_seconds is not None and not outcome.verified:
+            self._pacer.observe_decode(outcome.decode_seconds)  # a plain step's model call
+        if outcome.step_seconds is not None:
+            rows = len(plan.decode) if plan is not None else 0
+            self._neighbours.observe(
+                step_seconds=outcome.step_seconds,
+                positions=sum(v.drafted + 1 for v in outcome.verified.values()),
+                shared=rows > len(outcome.verified),
+            )
 
     def _count_progress(self, plan: RoundPlan, outcome: RoundOutcome) -> None:
         def live(key: int) -> Request | None:

@@ -52,9 +52,12 @@ PAUSE_STEPS = 16
 """Decode steps a request goes without drafting after its drafts kept failing."""
 MAX_PAUSE_STEPS = 512
 """The longest pause, after failing again and again."""
-NEIGHBOUR_SHARE = 0.25
+NEIGHBOUR_SHARE = 0.15
 """What verifying drafts may add, on average, to the decode steps that streams which do not
-verify share with them, as a part of a plain step's time."""
+verify share with them, as a part of a plain step's time. Below the 1.25x a neighbour's token
+gap is held to, because a verification is not all a faster stream costs the streams beside it:
+its extra tokens are sampled, detokenized and sent on the same cores (BENCHMARKS.md, section
+17)."""
 MIN_NGRAM = 2
 """The fewest trailing tokens a draft's match must cover: a single repeated token is weak
 evidence of what follows (a common word, a bracket), and such drafts are mostly rejected."""
@@ -147,8 +150,9 @@ class NeighbourBudget:
     `NEIGHBOUR_SHARE` of a plain step, on average.
 
     Every step with such a neighbour earns `NEIGHBOUR_SHARE` of a plain step's time in credit,
-    up to one verification's cost (so a quiet spell buys no burst); a verification runs when the
-    credit covers its estimated cost, and what the step then took beyond a plain step is spent.
+    up to one verification's cost (so a quiet spell buys no burst); a verification in such a
+    step runs when the credit covers its estimated cost, and what the step then took beyond a
+    plain step is spent.
     The cost of a verified position (its share of the verification's own model call) is learned
     from the steps that verified. A step whose every row may verify has no neighbour to spare.
     """
@@ -156,6 +160,8 @@ class NeighbourBudget:
     def __init__(self, settings: SpeculationSettings) -> None:
         self._settings = settings
         self._credit = 0.0
+        self._plain_step: float | None = None
+        """Seconds of a whole decode step that verified nothing (its call and its sampling)."""
         self._position_seconds: float | None = None
         """Seconds a verified position adds to a step, its call's overhead shared out."""
 
@@ -163,45 +169,50 @@ class NeighbourBudget:
     def position_seconds(self) -> float | None:
         return self._position_seconds
 
-    def limit(
-        self, rows: Sequence[Request], limits: Sequence[int], *, plain_step: float | None
-    ) -> tuple[int, ...]:
+    def limit(self, rows: Sequence[Request], limits: Sequence[int]) -> tuple[int, ...]:
         """`limits` (the draft counts of a step's rows) with the verifications the credit cannot
         pay for taken out (0). A row that is not verifying (it may not draft, or found nothing to
-        draft when it last could) is a neighbour and keeps its count; with no neighbour, every
-        row keeps its count."""
+        draft when it last could) is a neighbour; with one in the step beside another row, every
+        verification is paid for from the credit (a neighbour's own too); with none, or a row
+        alone, every row keeps its count."""
         verifying = [
             bool(limit) and request.drafting.verifying for request, limit in zip(rows, limits, strict=True)
         ]
-        if all(verifying) or not any(verifying):
+        if len(rows) < 2 or all(verifying) or not any(limits):
             return tuple(limits)
-        per_position = self._position_seconds
-        if plain_step is None or per_position is None:
-            # Learn first: a plain step's cost, then what one verification adds to it.
-            learn = plain_step is not None
-            return tuple(limit if learn or not v else 0 for limit, v in zip(limits, verifying, strict=True))
+        plain_step, per_position = self._plain_step, self._position_seconds
+        if plain_step is None:
+            return (0,) * len(limits)  # a plain step first: what a verification adds is told from it
+        if per_position is None:
+            return tuple(limits)  # then one verification, whose cost teaches the rest
         earned = NEIGHBOUR_SHARE * plain_step
         most = max(per_position * (self._settings.tokens + 1), earned)  # one verification's worth
         self._credit = min(self._credit + earned, most)
         allowed = []
         reserved = 0.0
-        for limit, v in zip(limits, verifying, strict=True):
+        for limit in limits:
             cost = per_position * (limit + 1)
-            if v and reserved + cost > self._credit:
+            if limit and reserved + cost <= self._credit:
+                reserved += cost
+                allowed.append(limit)
+            else:
                 allowed.append(0)
-                continue
-            reserved += cost if v else 0.0
-            allowed.append(limit)
         return tuple(allowed)
 
-    def observe(self, *, step_seconds: float, plain_step: float | None, positions: int, shared: bool) -> None:
-        """A step verified `positions` positions (drafts + 1 per verifying row) in `step_seconds`;
-        `shared`: rows that did not verify were in it, so its cost is spent from the credit."""
-        if positions <= 0 or plain_step is None:
+    def observe(self, *, step_seconds: float, positions: int, shared: bool) -> None:
+        """A whole decode step took `step_seconds` and verified `positions` positions (drafts + 1
+        per verifying row; 0 for a plain step); `shared`: rows that did not verify were in it,
+        so what it took beyond a plain step is spent from the credit."""
+        if positions <= 0:
+            self._plain_step = _smooth(self._plain_step, step_seconds)
             return
-        extra = max(0.0, step_seconds - plain_step)
-        per_position = extra / positions
-        previous = self._position_seconds
-        self._position_seconds = per_position if previous is None else 0.7 * previous + 0.3 * per_position
+        if self._plain_step is None:
+            return
+        extra = max(0.0, step_seconds - self._plain_step)
+        self._position_seconds = _smooth(self._position_seconds, extra / positions)
         if shared:
             self._credit = max(0.0, self._credit - extra)
+
+
+def _smooth(previous: float | None, value: float) -> float:
+    return value if previous is None else 0.7 * previous + 0.3 * value

@@ -3,7 +3,9 @@
 The graph follows what `optimum-cli export onnx --task text-generation-with-past` produces:
 inputs `input_ids`, `attention_mask`, `position_ids` (unless the config leaves it out),
 `past_key_values.{i}.key/value` ([batch, heads, past, head_dim]); outputs `logits` and
-`present.{i}.key/value`. It is built
+`present.{i}.key/value`. Its blocks are GPT-2's (pre-LayerNorm, exact-erf GELU, untied head),
+and with LoRA options its projections take per-row adapters under GPT-2's module names
+(`attn.c_attn` for Q, K and V together, `attn.c_proj`, `mlp.c_fc`, `mlp.c_proj`). It is built
 from standard ONNX operators with numpy weights drawn from a seeded generator, so the project's
 tests exercise the same code path as exported Hugging Face models, without any download.
 """
@@ -19,6 +21,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
+from tokenwire.server.model_tools.convert.lora_graph import LoraInputs, LoraOptions
 from tokenwire.server.model_tools.tiny_tokenizer import (
     CHATML_TEMPLATE,
     END_OF_TEXT,
@@ -47,14 +50,16 @@ class TinyGptConfig:
         return self.hidden // self.heads
 
 
-def create_tiny_gpt(out_dir: Path, config: TinyGptConfig, *, chat_template: bool = True) -> Path:
+def create_tiny_gpt(
+    out_dir: Path, config: TinyGptConfig, *, chat_template: bool = True, lora: LoraOptions | None = None
+) -> Path:
     """Write model.onnx, config files and tokenizer files for a tiny GPT into `out_dir`."""
     if config.hidden % config.heads:
         raise ValueError("hidden must be a multiple of heads")
     out_dir.mkdir(parents=True, exist_ok=True)
     tokenizer = build_byte_level_tokenizer(config.vocab)
     eos_ids = [tokenizer.token_to_id(END_OF_TEXT), tokenizer.token_to_id(TURN_END)]
-    model = build_tiny_gpt_graph(config)
+    model = build_tiny_gpt_graph(config, lora=lora)
     onnx.save_model(model, str(out_dir / "model.onnx"))
     hf_config = {
         "architectures": ["TokenwireTinyGPT"],
@@ -138,9 +143,31 @@ class _GraphBuilder:
         return name
 
 
-def build_tiny_gpt_graph(config: TinyGptConfig) -> onnx.ModelProto:
+# GPT-2's adaptable projections: module path -> (input, output) widths in units of `hidden`.
+GPT_LORA_MODULES = {"attn.c_attn": (1, 3), "attn.c_proj": (1, 1), "mlp.c_fc": (1, 4), "mlp.c_proj": (4, 1)}
+
+
+def build_tiny_gpt_graph(config: TinyGptConfig, *, lora: LoraOptions | None = None) -> onnx.ModelProto:
     weights = tiny_gpt_weights(config)
     g = _GraphBuilder()
+    lora_inputs = LoraInputs(TensorProto.FLOAT)
+
+    def adapted(layer: int, module: str, x: str, outputs: list[str]) -> list[str]:
+        """`outputs` (the module's output, or Q, K and V for c_attn) plus the module's LoRA delta."""
+        if lora is None or not lora.wants(module):
+            return outputs
+        wide_in, wide_out = GPT_LORA_MODULES[module]
+        c = config.hidden
+        delta = lora_inputs.delta(
+            lambda op, inputs, _name: g.op(op, inputs), x, layer, module, wide_in * c, wide_out * c
+        )
+        parts = [delta]
+        if len(outputs) > 1:
+            parts = [f"{delta}/part_{n}" for n in range(len(outputs))]
+            # Opset 17's Split without sizes cuts equal parts.
+            g.nodes.append(helper.make_node("Split", [delta], parts, axis=-1))
+        return [g.op("Add", [out, part]) for out, part in zip(outputs, parts, strict=True)]
+
     for name, value in weights.items():
         g.const(name, value)
     h, d = config.heads, config.head_dim
@@ -189,9 +216,10 @@ def build_tiny_gpt_graph(config: TinyGptConfig) -> onnx.ModelProto:
         def split_heads(tensor: str) -> str:
             return g.op("Transpose", [g.op("Reshape", [tensor, "heads_shape"])], perm=[0, 2, 1, 3])
 
-        q = split_heads(project("q", ln1))
-        k = split_heads(project("k", ln1))
-        v = split_heads(project("v", ln1))
+        q, k, v = (
+            split_heads(t)
+            for t in adapted(i, "attn.c_attn", ln1, [project("q", ln1), project("k", ln1), project("v", ln1)])
+        )
         k_all = g.op_to("Concat", [f"past_key_values.{i}.key", k], f"present.{i}.key", axis=2)
         v_all = g.op_to("Concat", [f"past_key_values.{i}.value", v], f"present.{i}.value", axis=2)
         scores = g.op(
@@ -201,9 +229,10 @@ def build_tiny_gpt_graph(config: TinyGptConfig) -> onnx.ModelProto:
         probs = g.op("Softmax", [scores], axis=-1)
         attn = g.op("MatMul", [probs, v_all])
         attn = g.op("Reshape", [g.op("Transpose", [attn], perm=[0, 2, 1, 3]), "merge_shape"])
-        x = g.op("Add", [x, project("o", attn)])
+        (out,) = adapted(i, "attn.c_proj", attn, [project("o", attn)])
+        x = g.op("Add", [x, out])
         ln2 = g.op("LayerNormalization", [x, p + "ln2.g", p + "ln2.b"], axis=-1, epsilon=1e-5)
-        up = project("1", ln2)
+        (up,) = adapted(i, "mlp.c_fc", ln2, [project("1", ln2)])
         # GELU with the exact erf form: 0.5 * x * (1 + erf(x / sqrt(2))).
         gelu = g.op(
             "Mul",
@@ -212,7 +241,8 @@ def build_tiny_gpt_graph(config: TinyGptConfig) -> onnx.ModelProto:
                 g.op("Add", [g.op("Erf", [g.op("Mul", [up, "inv_sqrt2"])]), "one_f"]),
             ],
         )
-        x = g.op("Add", [x, project("2", gelu)])
+        (down,) = adapted(i, "mlp.c_proj", gelu, [project("2", gelu)])
+        x = g.op("Add", [x, down])
     g.const("one_f", np.array(1.0, dtype=np.float32))
     final = g.op("LayerNormalization", [x, "lnf.g", "lnf.b"], axis=-1, epsilon=1e-5)
     g.op_to("MatMul", [final, "lm_head"], "logits")
@@ -241,6 +271,7 @@ def build_tiny_gpt_graph(config: TinyGptConfig) -> onnx.ModelProto:
                     f"present.{i}.{kind}", TensorProto.FLOAT, ["batch_size", h, "total_sequence_length", d]
                 )
             )
+    inputs.extend(lora_inputs.graph_inputs())
     graph = helper.make_graph(g.nodes, "tokenwire_tiny_gpt", inputs, outputs, g.initializers)
     model = helper.make_model(
         graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="tokenwire"

@@ -13,8 +13,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from tokenwire.server.model_tools.convert.genai_config import MODEL_FILENAME, TokenIds, write_genai_config
-from tokenwire.server.model_tools.convert.llama_graph import build_llama_graph, save_model
+from tokenwire.server.model_tools.convert.llama_graph import GraphOptions, build_llama_graph, save_model
 from tokenwire.server.model_tools.convert.llama_model import LlamaConfig, LlamaLayerWeights, LlamaWeights
+from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 from tokenwire.server.model_tools.tiny_tokenizer import (
     CHATML_TEMPLATE,
     END_OF_TEXT,
@@ -104,8 +105,12 @@ def create_tiny_llama(
     context_length: int = 256,
     seed: int = 0,
     chat_template: bool = True,
+    lora: LoraOptions | None = None,
 ) -> Path:
-    """Write model.onnx, genai_config.json and tokenizer files of a tiny random Llama into `out_dir`."""
+    """Write model.onnx, genai_config.json and tokenizer files of a tiny random Llama into `out_dir`.
+
+    With `lora`, the graph takes per-row LoRA adapters on those projections (lora_graph.py).
+    """
     config = tiny_llama_config(
         layers=layers,
         hidden=hidden,
@@ -118,7 +123,8 @@ def create_tiny_llama(
     tokenizer = build_byte_level_tokenizer(vocab)
     end_of_text, turn_end = _token_id(tokenizer, END_OF_TEXT), _token_id(tokenizer, TURN_END)
     weights = tiny_llama_weights(config, seed)
-    save_model(build_llama_graph(config, weights), out_dir / MODEL_FILENAME, external_data=False)
+    graph = build_llama_graph(config, weights, GraphOptions(lora=lora))
+    save_model(graph, out_dir / MODEL_FILENAME, external_data=False)
     write_genai_config(
         out_dir,
         config,

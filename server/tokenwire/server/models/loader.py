@@ -19,7 +19,7 @@ from tokenwire.server.models.optimum_runner import OptimumRunner
 from tokenwire.server.models.runner import ModelInfo, ModelRunner
 from tokenwire.server.models.session import SessionSettings, choose_provider, create_session, ort_device_name
 from tokenwire.server.models.shared_kv_runner import SharedKvLayout, SharedKvRunner
-from tokenwire.server.text.chat import ChatTemplate
+from tokenwire.server.text.chat import ChatTemplate, ChatTemplateError
 from tokenwire.server.text.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
@@ -268,12 +268,18 @@ def _chat_template(model_dir: Path, tokenizer_config: dict[str, Any]) -> ChatTem
             (t.get("template") for t in source if isinstance(t, dict) and t.get("name") == "default"), None
         )
     template_file = model_dir / "chat_template.jinja"
+    origin = model_dir / "tokenizer_config.json"
     if not isinstance(source, str) and template_file.is_file():
-        source = template_file.read_text(encoding="utf-8")
+        source, origin = template_file.read_text(encoding="utf-8"), template_file
     if not isinstance(source, str) or not source.strip():
         return None
-    return ChatTemplate(
-        source,
-        bos_token=_token_text(tokenizer_config.get("bos_token")) or "",
-        eos_token=_token_text(tokenizer_config.get("eos_token")) or "",
-    )
+    try:
+        template = ChatTemplate(
+            source,
+            bos_token=_token_text(tokenizer_config.get("bos_token")) or "",
+            eos_token=_token_text(tokenizer_config.get("eos_token")) or "",
+        )
+        template.check_budget()  # a template over budget on a small conversation is never served
+    except ChatTemplateError as error:
+        raise ModelDirectoryError(f"{origin}: chat_template: {_one_line(error)}") from error
+    return template

@@ -6,13 +6,19 @@ on the admission's validation workers, so nothing that grows with the input hold
 Engine events arrive on the loop (the engine's sinks are called there) and go into one queue
 per request, which the request's own task writes out.
 
-A request's life: route, authenticate (a header check: an unauthenticated body is never read),
-bound the body (Content-Length first, then a running byte count with a deadline for the whole
-body), parse it into a RequestSpec, admit it exactly as gRPC admits a GenerateRequest
-(api/admission.py: same callers, queue, priorities, validator, telemetry), then answer with
-one JSON object or a stream of server-sent events. From admission on, a task watches for the
-client going away; when it does, the generation is stopped with the same abort path a gRPC
-cancel takes, within one decode step, and recorded as cancelled.
+A request's life: the protocol bounds its head (http_protocol.py); then route, authenticate (a
+header check: an unauthenticated body is never read), require a JSON body (415 otherwise, so no
+web page's form can post here), bound the body (Content-Length first, then a running byte count
+with a deadline for the whole body), parse it into a RequestSpec, admit it exactly as gRPC
+admits a GenerateRequest (api/admission.py: same callers, queue, priorities, validator,
+telemetry), then answer with one JSON object or a stream of server-sent events. From admission
+on, a task watches for the client going away; when it does, the generation is stopped with the
+same abort path a gRPC cancel takes, within one decode step, and recorded as cancelled.
+
+Every request writes exactly one access-log line (and span), whatever ends it: a refusal by the
+protocol or here (404, 405, 401, 415, 413, 408, a malformed body), a client gone mid-body, an
+internal error, the models routes, or the admission's own record from admission on. A refusal
+sent before the request's body was read closes the connection, so that body is never read.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from typing import Any
 
 from tokenwire.server.api.admission import Admission, Admitted
 from tokenwire.server.api.registry import ModelRegistry
-from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError, excerpt
 from tokenwire.server.engine.types import (
     AbortReason,
     Completed,
@@ -40,7 +46,9 @@ from tokenwire.server.engine.types import (
     TokensGenerated,
 )
 from tokenwire.server.openai_api import responses
-from tokenwire.server.openai_api.errors import HttpResponse, error_object, http_error, plain_error
+from tokenwire.server.openai_api.endings import RequestEnding
+from tokenwire.server.openai_api.errors import HttpResponse, error_object, http_error
+from tokenwire.server.openai_api.http_protocol import REFUSAL_STATE
 from tokenwire.server.openai_api.parsing import (
     IGNORED_HEADER,
     ParseBody,
@@ -79,6 +87,35 @@ ROUTES = {
     "/v1/completions": Route("/v1/completions", parse_completion, "cmpl-"),
 }
 MODELS_PATH = "/v1/models"
+RECORDED_PATH_CHARACTERS = 128
+"""Longest path an access-log line names as its method, for a request to no route."""
+
+
+def operation_of(path: str) -> str:
+    """What the access log, spans and metrics name a request to `path` by."""
+    route = ROUTES.get(path)
+    if route is not None:
+        return route.operation
+    if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
+        return MODELS_PATH
+    return excerpt(path, RECORDED_PATH_CHARACTERS)
+
+
+def _declares_body(metadata: list[tuple[str, str]]) -> bool:
+    return any(
+        (name == "content-length" and value.strip() != "0") or name == "transfer-encoding"
+        for name, value in metadata
+    )
+
+
+def _is_json(metadata: list[tuple[str, str]]) -> bool:
+    """Whether the request says its body is JSON: application/json, in UTF-8 if it names a charset."""
+    declared = next((value for name, value in metadata if name == "content-type"), None)
+    if declared is None:
+        return False
+    media, *parameters = (part.strip().lower() for part in declared.split(";"))
+    charsets = [p.partition("=")[2].strip('" ') for p in parameters if p.startswith("charset=")]
+    return media == "application/json" and all(charset == "utf-8" for charset in charsets)
 
 
 class _ClientGoneError(Exception):
@@ -112,45 +149,71 @@ class OpenAIApp:
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
 
+    def record_refusal(
+        self, operation: str, metadata: list[tuple[str, str]] | None, received: float, error: GenerationError
+    ) -> None:
+        """Record a request refused before this app saw it (by the protocol, from its head)."""
+        RequestEnding(self._telemetry, self._callers, operation, metadata, received).refused(error)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return  # the listener runs without lifespan events and refuses websockets
         received = self._clock()
         metadata = [(name.decode("latin-1"), value.decode("latin-1")) for name, value in scope["headers"]]
         path: str = scope["path"]
+        ending = RequestEnding(self._telemetry, self._callers, operation_of(path), metadata, received)
+        unread = _declares_body(metadata)
         try:
             if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
-                await self._models(scope["method"], path, metadata, send)
+                await self._models(scope["method"], path, metadata, ending, send)
                 return
             route = ROUTES.get(path)
             if route is None:
-                await _respond(
-                    send, plain_error(404, "invalid_request_error", f"no route {path}", "not_found")
+                error = GenerationError(
+                    ErrorKind.NOT_FOUND, f"no route {excerpt(path, 256)}", reason="NOT_FOUND"
                 )
+                await _refuse(send, ending, error, close=unread)
                 return
             if scope["method"] != "POST":
-                await _respond(send, _method_not_allowed("POST"))
+                await _refuse(
+                    send, ending, _method_not_allowed("POST"), status=405, close=unread, allow=b"POST"
+                )
                 return
-            await self._generate(route, metadata, received, receive, send)
+            await self._generate(route, metadata, received, ending, receive, send)
         except _ClientGoneError:
-            return
+            refused = scope["state"].get(REFUSAL_STATE)  # the protocol refused it and closed
+            if isinstance(refused, GenerationError):
+                ending.refused(refused)
+            else:
+                ending.left()
         except Exception:
-            log.exception("HTTP request %s failed", path)
+            log.exception("HTTP request %s failed", excerpt(path, 256))
             error = GenerationError(ErrorKind.INTERNAL, "internal error", reason="INTERNAL")
             # Past the response's start the connection can only be dropped; uvicorn does that.
+            ending.refused(error)
             with contextlib.suppress(Exception):
                 await _respond(send, http_error(error))
 
-    async def _models(self, method: str, path: str, metadata: list[tuple[str, str]], send: Send) -> None:
+    async def _models(
+        self, method: str, path: str, metadata: list[tuple[str, str]], ending: RequestEnding, send: Send
+    ) -> None:
         if method != "GET":
-            await _respond(send, _method_not_allowed("GET"))
+            await _refuse(
+                send,
+                ending,
+                _method_not_allowed("GET"),
+                status=405,
+                close=_declares_body(metadata),
+                allow=b"GET",
+            )
             return
-        refused = self._authenticate(path, metadata)
+        refused = self._authenticate(metadata)
         if refused is not None:
-            await _respond(send, refused)
+            await _refuse(send, ending, refused, close=_declares_body(metadata))
             return
         if path == MODELS_PATH:
             names = [served.name for served in self._registry.all()]
+            ending.served()
             await _respond(send, _ok(responses.models_list(names, self._created)))
             return
         name = path[len(MODELS_PATH) + 1 :]
@@ -158,33 +221,29 @@ class OpenAIApp:
             error = GenerationError(
                 ErrorKind.NOT_FOUND, f"model {name[:256]!r} is not served here", reason="MODEL_NOT_FOUND"
             )
-            await _respond(send, http_error(error))
+            await _refuse(send, ending, error)
             return
+        ending.served()
         await _respond(send, _ok(responses.model_json(name, self._created)))
 
-    def _authenticate(self, operation: str, metadata: list[tuple[str, str]]) -> HttpResponse | None:
-        if self._tokens is None:
-            return None
-        error = self._tokens.check(metadata)
-        if error is None:
-            return None
-        self._telemetry.refuse_call(operation, metadata, error)
-        refusal = http_error(error)
-        return HttpResponse(
-            refusal.status, refusal.body, (*refusal.headers, (b"www-authenticate", b"Bearer"))
-        )
+    def _authenticate(self, metadata: list[tuple[str, str]]) -> GenerationError | None:
+        return None if self._tokens is None else self._tokens.check(metadata)
 
     async def _generate(
         self,
         route: Route,
         metadata: list[tuple[str, str]],
         received: float,
+        ending: RequestEnding,
         receive: Receive,
         send: Send,
     ) -> None:
-        refused = self._authenticate(route.operation, metadata)
+        refused = self._authenticate(metadata)
         if refused is not None:
-            await _respond(send, refused)
+            await _refuse(send, ending, refused, close=_declares_body(metadata))
+            return
+        if not _is_json(metadata):
+            await _refuse(send, ending, _unsupported_media_type(), status=415, close=_declares_body(metadata))
             return
         try:
             body = await self._read_body(metadata, received, receive)
@@ -196,12 +255,12 @@ class OpenAIApp:
                 loop = asyncio.get_running_loop()
                 parsed = await loop.run_in_executor(self._workers, route.parse, body, headers, request_id)
         except GenerationError as error:
-            record = self._telemetry.begin(route.operation, metadata, received)
-            record.identified(self._callers.identify(metadata).name)
-            record.refused(error)
+            ending.refused(error)
             await _respond(send, _refusal(error))
             return
         events: asyncio.Queue[EngineEvent | None] = asyncio.Queue()
+        # From here on the admission writes the request's record (an unexpected error inside it
+        # excepted, which this app records as INTERNAL).
         try:
             admitted = await self._admission.admit(
                 route.operation,
@@ -212,8 +271,10 @@ class OpenAIApp:
                 on_event=events.put_nowait,
             )
         except GenerationError as error:
+            ending.handed_over()
             await _respond(send, http_error(error))
             return
+        ending.handed_over()
         watcher = asyncio.create_task(_watch_disconnect(receive, admitted, events))
         try:
             model = admitted_model(parsed, self._registry)
@@ -229,6 +290,9 @@ class OpenAIApp:
                 await _stream(identity, parsed, events, watcher, send)
             else:
                 await _whole(identity, parsed, events, watcher, send)
+        except BaseException:
+            admitted.stop(AbortReason.DISCONNECTED)  # nobody is left to hear the generation
+            raise
         finally:
             watcher.cancel()
 
@@ -373,10 +437,47 @@ def _ignored_header(parsed: ParsedRequest) -> tuple[tuple[bytes, bytes], ...]:
 def _refusal(error: GenerationError) -> HttpResponse:
     if error.reason == "BODY_TOO_LARGE":  # bad input, not load: the client must send less
         refusal = {**error_object(error), "type": "invalid_request_error"}
-        return HttpResponse(413, json.dumps({"error": refusal}).encode())
+        # The rest of the body is never read: the connection closes after the answer.
+        return HttpResponse(413, json.dumps({"error": refusal}).encode(), (_CLOSE,))
     if error.reason == "BODY_TIMEOUT":
-        return HttpResponse(408, http_error(error).body, ((b"connection", b"close"),))
+        return HttpResponse(408, http_error(error).body, (_CLOSE,))
     return http_error(error)
+
+
+_CLOSE = (b"connection", b"close")
+
+
+async def _refuse(
+    send: Send,
+    ending: RequestEnding,
+    error: GenerationError,
+    *,
+    status: int | None = None,
+    close: bool = False,
+    allow: bytes | None = None,
+) -> None:
+    """Record `error` as the request's ending and answer it (with `status` instead of the error
+    kind's); `close`: the request's body is unread, so the connection closes after the answer;
+    `allow`: the method a 405 names."""
+    ending.refused(error)
+    response = http_error(error)
+    headers = response.headers
+    if error.kind is ErrorKind.UNAUTHENTICATED:
+        headers += ((b"www-authenticate", b"Bearer"),)
+    if allow is not None:
+        headers += ((b"allow", allow),)
+    if close:
+        headers += (_CLOSE,)
+    await _respond(send, HttpResponse(status or response.status, response.body, headers))
+
+
+def _unsupported_media_type() -> GenerationError:
+    return GenerationError(
+        ErrorKind.INVALID_ARGUMENT,
+        "the body must be JSON, sent with Content-Type: application/json",
+        violations=(FieldViolation("content-type", "must be application/json"),),
+        reason="UNSUPPORTED_MEDIA_TYPE",
+    )
 
 
 def _too_large(size: int, limit: int, *, at_least: bool = False) -> GenerationError:
@@ -388,9 +489,8 @@ def _too_large(size: int, limit: int, *, at_least: bool = False) -> GenerationEr
     )
 
 
-def _method_not_allowed(allowed: str) -> HttpResponse:
-    error = plain_error(405, "invalid_request_error", f"use {allowed}", "method_not_allowed")
-    return HttpResponse(error.status, error.body, ((b"allow", allowed.encode()),))
+def _method_not_allowed(allowed: str) -> GenerationError:
+    return GenerationError(ErrorKind.INVALID_ARGUMENT, f"use {allowed}", reason="METHOD_NOT_ALLOWED")
 
 
 def _ok(body: bytes) -> HttpResponse:

@@ -4,7 +4,9 @@ uvicorn parses HTTP (httptools, the parser of Node's llhttp lineage) and runs th
 is started here piecewise (startup, its once-a-second tick, shutdown) instead of with its own
 `run`, which would want its own loop, signals and logging. The socket is bound here, so port 0
 works and a port in use is an OSError like gRPC's. TLS uses the gRPC server's certificate,
-key and client CA. Over --http-max-connections, uvicorn answers 503 before any app code runs.
+key and client CA. The protocol is uvicorn's httptools one within the head's bounds
+(http_protocol.py): a head too large, too slow or with too many headers, a URL too long, and a
+connection over --http-max-connections are refused there, before any app code runs.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import ssl
 
 import uvicorn
 
-from tokenwire.server.openai_api.app import OpenAIApp
+from tokenwire.server.openai_api.app import OpenAIApp, operation_of
+from tokenwire.server.openai_api.http_protocol import HeadLimits, bounded_protocol
 from tokenwire.server.openai_api.settings import HttpSettings
 from tokenwire.server.security.tls import TlsSettings
 
@@ -36,17 +39,24 @@ class HttpListener:
         settings = self._settings
         assert settings.port is not None
         tls = self._tls
+        limits = HeadLimits(
+            head_bytes=settings.max_head_bytes,
+            headers=settings.max_headers,
+            url_bytes=settings.max_url_bytes,
+            header_timeout=settings.header_timeout,
+            max_connections=settings.max_connections,
+        )
         config = uvicorn.Config(
             self._app,
             loop="none",
-            http="httptools",
+            http=bounded_protocol(limits, self._app.record_refusal, operation_of),
             ws="none",
             lifespan="off",
             log_config=None,
             log_level="warning",
             access_log=False,  # tokenwire's own access log records every request
             server_header=False,
-            limit_concurrency=settings.max_connections,
+            limit_concurrency=None,  # the protocol's own bound, refused and recorded like the others
             timeout_keep_alive=round(settings.keepalive_timeout) or 1,
             ssl_certfile=str(tls.cert) if tls.cert is not None else None,
             ssl_keyfile=str(tls.key) if tls.key is not None else None,

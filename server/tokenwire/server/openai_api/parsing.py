@@ -30,6 +30,7 @@ from tokenwire.server.api.request_bounds import spec_sizes
 from tokenwire.server.engine.errors import FieldViolation, GenerationError, excerpt
 from tokenwire.server.engine.types import Priority
 from tokenwire.server.engine.validation import RequestSpec
+from tokenwire.server.openai_api.json_text import body_text, unicode_violation
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat
 from tokenwire.server.text.chat import ChatTurn
 from tokenwire.server.text.tools import ToolCall, ToolChoice, ToolChoiceMode, ToolDefinition
@@ -181,11 +182,14 @@ def decode_json(body: bytes) -> dict[str, Any]:
         raise ValueError(f"{name} is not JSON")
 
     try:
-        decoded = json.loads(body, parse_constant=refuse_constant)
+        decoded = json.loads(body_text(body), parse_constant=refuse_constant)
     except (ValueError, RecursionError) as error:
         raise bad("body", f"not valid JSON: {excerpt(str(error), 120)}") from None
     if not isinstance(decoded, dict):
         raise bad("body", "must be a JSON object")
+    where = unicode_violation(body, decoded)
+    if where is not None:
+        raise bad(excerpt(where), "is not valid UTF-8 (an unpaired surrogate, or bytes that are not UTF-8)")
     return decoded
 
 

@@ -32,6 +32,24 @@ class HttpSettings:
         above=0,
     )
     keepalive_timeout: float = setting(5.0, "seconds an idle HTTP keep-alive connection stays open", above=0)
+    header_timeout: float = setting(
+        10.0,
+        "seconds a client has, from its connection (or a request's first byte after the first), to "
+        "send a request's whole head; slower is 408 and the connection closed",
+        above=0,
+    )
+    max_head_bytes: int = setting(
+        64 * 1024,
+        "most bytes of a request's head (request line and headers), and of its chunk framing and "
+        "trailers; more is 431 (413 for trailers) and the connection closed",
+        minimum=1024,
+    )
+    max_headers: int = setting(
+        100, "most headers in a request; more is 431 and the connection closed", minimum=1
+    )
+    max_url_bytes: int = setting(
+        8 * 1024, "most bytes of a request's URL; longer is 414 and the connection closed", minimum=64
+    )
 
     @property
     def enabled(self) -> bool:

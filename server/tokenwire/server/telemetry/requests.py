@@ -5,13 +5,14 @@ and requests refused before they reached the engine. When a request ends its rec
 span (when tracing is on), the access-log line, and, for a request the engine never counted, the
 outcome count that the engine's observer never sees.
 
-A request ends in exactly one of three ways, and each is one method of its record:
+A request ends in exactly one of these ways, and each is one method of its record:
 - `observe` takes the final engine event (completed, cancelled, deadline, failed), which carries
   the outcome and the engine's timing;
 - `refused`: admission refused it (invalid, queue full, draining, ...);
 - `left`: its call went away (cancelled, disconnected, past its deadline) or stopped listening
   (its client left the output unread) where no final event will reach this record: before the
   engine had the request, or from a generation that other calls still listen to.
+- `served`: the edge answered it itself (the HTTP edge's model listing).
 The first of them writes the record; any later one is ignored, so no request is written twice.
 Everything here runs on the event loop. Until its end a record keeps two numbers per request
 (when it started, how many tokens it heard of), so that a call that left is recorded with what
@@ -161,6 +162,11 @@ class RequestRecord:
         if self._owner.metrics is not None:
             self._owner.metrics.request_refused(model=self._model, outcome=outcome, caller=self._caller)
         self._emit(self._summary(outcome, Stages(total=self._owner.clock() - self._received), error))
+
+    def served(self) -> None:
+        """Answered by the edge itself, without the engine (the HTTP edge's model listing)."""
+        if not self._ended:
+            self._emit(self._summary(Outcome.OK, Stages(total=self._owner.clock() - self._received)))
 
     def _completed(self, event: Completed) -> RequestSummary:
         result = event.result

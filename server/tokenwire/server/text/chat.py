@@ -8,31 +8,33 @@ reads `tools` (`renders_tools` is False) gets tokenwire's own tool instructions 
 (text/tool_prompt.py).
 
 A template comes with the model files, which the operator may not have written, and runs once per
-request on input the caller chose: it runs in Jinja's immutable sandbox, and each rendering has a
-time budget and an output bound. The budget is checked at every call, attribute or item lookup,
-`range` step, `*` or `+` and piece of output, so a loop that does anything at all stops once the
-budget is spent; `*` and `+` refuse to build a string or list beyond the output bound before
-building it.
+request on input the caller chose: it runs in Jinja's immutable sandbox, within a budget of CPU
+time and of text built that no expression escapes (template_budget.py).
 """
 
 from __future__ import annotations
 
 import json
 import threading
-import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from jinja2 import TemplateError, meta
-from jinja2.runtime import Context
-from jinja2.sandbox import ImmutableSandboxedEnvironment, safe_range
 
+from tokenwire.server.text.template_budget import (
+    DEFAULT_MAX_OUTPUT_CHARS,
+    DEFAULT_RENDER_SECONDS,
+    BudgetedSandbox,
+    ChatTemplateError,
+    ChatTemplateLimitError,
+    RenderBudget,
+)
 from tokenwire.server.text.tools import ToolCall, ToolCallFormat, ToolDefinition, tool_call_format
 
+__all__ = ["ChatTemplate", "ChatTemplateError", "ChatTemplateLimitError", "ChatTurn"]
+
 ALLOWED_ROLES = frozenset({"system", "user", "assistant", "tool"})
-DEFAULT_RENDER_SECONDS = 1.0
-DEFAULT_MAX_OUTPUT_CHARS = 4_000_000
 
 
 @dataclass(frozen=True)
@@ -47,78 +49,20 @@ class ChatTurn:
     """A tool turn's tool."""
 
 
-class ChatTemplateError(ValueError):
-    """The template rejected the conversation (e.g. roles out of order) or failed on it."""
-
-
-class ChatTemplateLimitError(ChatTemplateError):
-    """Rendering this conversation ran past the template's time budget or output bound."""
+SAMPLE_CONVERSATIONS = (
+    (ChatTurn("user", "Hello"),),
+    (
+        ChatTurn("system", "Answer briefly."),
+        ChatTurn("user", "Hello"),
+        ChatTurn("assistant", "Hi."),
+        ChatTurn("user", "What is 2 + 2?"),
+    ),
+)
+"""What a template renders when its model is loaded, to refuse one over budget before serving."""
 
 
 def _raise_exception(message: str) -> NoReturn:
     raise ChatTemplateError(message)
-
-
-@dataclass
-class _Budget:
-    deadline: float
-    max_output_chars: int
-
-    def check(self) -> None:
-        if time.monotonic() > self.deadline:
-            raise ChatTemplateLimitError("the chat template ran past its time budget for these messages")
-
-    def check_size(self, size: int) -> None:
-        if size > self.max_output_chars:
-            raise ChatTemplateLimitError(
-                f"the chat template would build text longer than {self.max_output_chars} characters"
-            )
-
-
-class _BoundedSandbox(ImmutableSandboxedEnvironment):
-    """The immutable sandbox, checking the rendering thread's budget at every step it can see."""
-
-    intercepted_binops = frozenset({"*", "+"})
-
-    def __init__(self, budgets: threading.local, **options: Any) -> None:
-        super().__init__(**options)
-        self._budgets = budgets
-        self.globals["range"] = self._range
-
-    def budget(self) -> _Budget:
-        budget: _Budget | None = getattr(self._budgets, "current", None)
-        if budget is None:  # rendered outside ChatTemplate.render: no budget to keep
-            return _Budget(deadline=float("inf"), max_output_chars=DEFAULT_MAX_OUTPUT_CHARS)
-        return budget
-
-    def _range(self, *args: int) -> Iterator[int]:
-        budget = self.budget()
-        for value in safe_range(*args):
-            budget.check()
-            yield value
-
-    def call_binop(self, context: Context, operator: str, left: Any, right: Any) -> Any:
-        budget = self.budget()
-        budget.check()
-        if operator == "*":
-            for sequence, count in ((left, right), (right, left)):
-                if isinstance(sequence, str | list | tuple) and isinstance(count, int):
-                    budget.check_size(len(sequence) * count)
-        elif isinstance(left, str | list | tuple) and isinstance(right, str | list | tuple):
-            budget.check_size(len(left) + len(right))
-        return super().call_binop(context, operator, left, right)
-
-    def call(__self, __context: Context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
-        __self.budget().check()
-        return super().call(__context, __obj, *args, **kwargs)
-
-    def getattr(self, obj: Any, attribute: str) -> Any:
-        self.budget().check()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        self.budget().check()
-        return super().getitem(obj, argument)
 
 
 class ChatTemplate:
@@ -134,9 +78,12 @@ class ChatTemplate:
         max_output_chars: int = DEFAULT_MAX_OUTPUT_CHARS,
     ) -> None:
         self._budgets = threading.local()
-        environment = _BoundedSandbox(self._budgets, trim_blocks=True, lstrip_blocks=True)
+        environment = BudgetedSandbox(self._budgets, trim_blocks=True, lstrip_blocks=True)
         environment.globals["raise_exception"] = _raise_exception
-        self._template = environment.from_string(source)
+        try:
+            self._template = environment.from_string(source)
+        except TemplateError as error:
+            raise ChatTemplateError(f"the chat template does not compile: {error}") from error
         self.source = source
         self.renders_tools = "tools" in meta.find_undeclared_variables(environment.parse(source))
         """Whether the template renders the tools a request offers (it reads `tools`)."""
@@ -145,6 +92,17 @@ class ChatTemplate:
         self._eos_token = eos_token
         self.render_seconds = render_seconds
         self.max_output_chars = max_output_chars
+
+    def check_budget(self) -> None:
+        """Render sample conversations, as a model is loaded: raise ChatTemplateLimitError if one
+        runs past its budget (a template that fails them otherwise may just want other turns)."""
+        for turns in SAMPLE_CONVERSATIONS:
+            try:
+                self.render(turns)
+            except ChatTemplateLimitError:
+                raise
+            except ChatTemplateError:
+                continue
 
     def render(
         self,
@@ -155,20 +113,26 @@ class ChatTemplate:
     ) -> str:
         """The prompt for `turns`. Raises ChatTemplateError when the template rejects them or
         fails, ChatTemplateLimitError when it runs past its time budget or output bound."""
-        budget = _Budget(time.monotonic() + self.render_seconds, self.max_output_chars)
+        context = {
+            "messages": [_message(turn) for turn in turns],
+            "tools": [_tool(tool) for tool in tools] or None,
+            "add_generation_prompt": add_generation_prompt,
+            "bos_token": self._bos_token,
+            "eos_token": self._eos_token,
+        }
+        budget = RenderBudget.for_input(
+            context, max_seconds=self.render_seconds, max_output_chars=self.max_output_chars
+        )
         self._budgets.current = budget
         try:
             pieces: list[str] = []
             size = 0
-            for piece in self._template.generate(
-                messages=[_message(turn) for turn in turns],
-                tools=[_tool(tool) for tool in tools] or None,
-                add_generation_prompt=add_generation_prompt,
-                bos_token=self._bos_token,
-                eos_token=self._eos_token,
-            ):
+            for piece in self._template.generate(**context):
                 size += len(piece)
-                budget.check_size(size)
+                if size > self.max_output_chars:
+                    raise ChatTemplateLimitError(
+                        f"the chat template would build text longer than {self.max_output_chars} characters"
+                    )
                 budget.check()
                 pieces.append(piece)
             return "".join(pieces)

@@ -20,6 +20,7 @@ from tokenwire.server.model_tools.convert.llama_graph import (
     build_llama_graph,
     save_model,
 )
+from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 
 # Called with a short description of the stage that just started and the fraction of the whole
 # conversion done before it (0.0 to 1.0; 1.0 once finished).
@@ -48,12 +49,14 @@ def convert_gguf(
     *,
     dtype: str = "float32",
     progress: ProgressCallback | None = None,
+    lora: LoraOptions | None = None,
 ) -> Path:
     """Convert a Llama-family GGUF file into `out_dir` and return `out_dir`.
 
     `dtype` is the activation and KV-cache type: "float32" for CPU, "float16" for CUDA (whose
     GroupQueryAttention needs half precision). Logits are float32 either way. Quantized weights
-    keep their GGUF codes and scales exactly.
+    keep their GGUF codes and scales exactly. With `lora`, the graph takes per-row LoRA adapters
+    on those projections (lora_graph.py; conversion.json records which).
     """
     if dtype not in ("float32", "float16"):
         raise ValueError(f"dtype must be float32 or float16, not {dtype!r}")
@@ -78,7 +81,9 @@ def convert_gguf(
         umask = os.umask(0)
         os.umask(umask)
         scratch.chmod(0o777 & ~umask)
-        _write_conversion(source, gguf_path, scratch, dtype, activation, report, started)
+        _write_conversion(
+            source, gguf_path, scratch, GraphOptions(dtype=activation, lora=lora), report, started
+        )
         _publish(scratch, out_dir)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -91,8 +96,7 @@ def _write_conversion(
     source: GgufModel,
     gguf_path: Path,
     out_dir: Path,
-    dtype: str,
-    activation: ActivationType,
+    options: GraphOptions,
     report: Callable[[int], None],
     started: float,
 ) -> None:
@@ -110,22 +114,25 @@ def _write_conversion(
     model = build_llama_graph(
         source.config,
         source.weights,
-        GraphOptions(dtype=activation),
+        options,
         external_data=model_path.with_name(model_path.name + ".data"),
     )
     report(3)
     save_model(model, model_path, external_data=False)
     del model
-    write_genai_config(out_dir, source.config, TokenIds(bos=bos, eos=eos, pad=pad), dtype=dtype)
+    write_genai_config(out_dir, source.config, TokenIds(bos=bos, eos=eos, pad=pad), dtype=options.dtype)
     info = {
         "converter_version": CONVERTER_VERSION,
         "source": gguf_path.name,
         "model_name": source.name,
         "architecture": source.architecture,
-        "dtype": dtype,
+        "dtype": options.dtype,
         "gguf_tensor_types": source.tensor_types,
         "seconds": round(time.perf_counter() - started, 2),
     }
+    if options.lora is not None:
+        modules = options.lora.modules
+        info["lora_modules"] = "all" if modules is None else sorted(modules)
     (out_dir / CONVERSION_INFO_FILENAME).write_text(json.dumps(info, indent=2))
 
 

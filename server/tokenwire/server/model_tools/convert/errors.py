@@ -17,3 +17,8 @@ class UnsupportedModelError(ConversionError):
 
 class CorruptGgufError(ConversionError):
     """The file is not a well-formed GGUF file: bad magic, truncated, or metadata that lies."""
+
+
+def excerpt(text: str, limit: int = 40) -> str:
+    """At most `limit` characters of `text`, for a message that quotes what a file holds."""
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 
-from tokenwire.server.model_tools.convert.errors import ConversionError
+from tokenwire.server.model_tools.convert.errors import ConversionError, excerpt
 
 # GGUF token types (llama.cpp's llama_token_type).
 TOKEN_NORMAL = 1
@@ -150,10 +150,17 @@ SPACE_PIECE = "\u2581"  # SentencePiece's visible space
 
 def _byte_level_bpe(vocab: GgufVocabulary, ids: dict[str, int]) -> Tokenizer:
     merges: list[tuple[str, str]] = []
-    for merge in vocab.merges:
+    for index, merge in enumerate(vocab.merges):
         left, sep, right = merge.partition(" ")
         if not sep:
-            raise UnsupportedTokenizerError(f"malformed merge {merge!r}")
+            raise UnsupportedTokenizerError(f"malformed merge {excerpt(merge)!r}")
+        # `tokenizers` refuses a half it does not know, and panics on a join it does not know.
+        unknown = next((t for t in (left, right, left + right) if t not in ids), None)
+        if unknown is not None:
+            raise UnsupportedTokenizerError(
+                f"GGUF metadata tokenizer.ggml.merges[{index}] ({excerpt(merge)!r}) names "
+                f"{excerpt(unknown)!r}, which is not in the vocabulary"
+            )
         merges.append((left, right))
     tokenizer = Tokenizer(models.BPE(vocab=ids, merges=merges, fuse_unk=False, byte_fallback=False))
     tokenizer.pre_tokenizer = pre_tokenizer_for(vocab.pre)

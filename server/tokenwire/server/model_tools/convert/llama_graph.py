@@ -33,6 +33,7 @@ from tokenwire.server.model_tools.convert.llama_model import (
     LlamaWeights,
     linear_shape,
 )
+from tokenwire.server.model_tools.convert.lora_graph import LoraInputs, LoraOptions
 from tokenwire.server.model_tools.convert.quantized import (
     QuantizedMatrix,
     block_sum_matrix,
@@ -64,6 +65,8 @@ class GraphOptions:
     # added after it (exact; two more kernels per projection).
     offsets: Literal["folded", "float"] = "folded"
     offset_levels: int | None = None  # rounds of folding; None: quantized.OFFSET_LEVELS
+    # Per-row LoRA adapters on the projections (lora_graph.py); None builds the plain graph.
+    lora: LoraOptions | None = None
 
 
 def rotary_caches(
@@ -189,6 +192,7 @@ class _LlamaGraphBuilder:
         self.local_caches = config.local_rope_theta is not None and any(
             config.is_sliding(i) for i in range(config.num_layers)
         )
+        self.lora = LoraInputs(self.float_type) if options.lora is not None else None
 
     # --- linear layers ---------------------------------------------------------------------
 
@@ -270,6 +274,49 @@ class _LlamaGraphBuilder:
             stacked = np.concatenate([np.asarray(w) for w in weights])
             return self.linear(x, stacked, name)
         return [self.linear(x, w, f"{name}.{i}") for i, w in enumerate(weights)]
+
+    def adapted(
+        self,
+        layer_id: int,
+        x: str,
+        in_features: int,
+        outputs: str | list[str],
+        modules: tuple[str, ...],
+        out_features: tuple[int, ...],
+    ) -> str | list[str]:
+        """Projection outputs of `x` with their LoRA deltas added (before any bias): one tensor
+        holding every module's output side by side (a fused MatMul), or one tensor per module."""
+        if isinstance(outputs, str):
+            return self.adapted_packed(layer_id, x, in_features, outputs, modules, out_features)
+        return [
+            self.adapted_packed(layer_id, x, in_features, out, (module,), (size,))
+            for out, module, size in zip(outputs, modules, out_features, strict=True)
+        ]
+
+    def adapted_packed(
+        self,
+        layer_id: int,
+        x: str,
+        in_features: int,
+        output: str,
+        modules: tuple[str, ...],
+        out_features: tuple[int, ...],
+    ) -> str:
+        """`output` (the modules' outputs side by side) plus their deltas, concatenated alike."""
+        lora, options = self.lora, self.options.lora
+        if lora is None or options is None or not options.group(modules):
+            return output
+
+        def add(op: str, inputs: list[str], name: str) -> str:
+            return self.g.one(op, inputs, name)
+
+        deltas = [
+            lora.delta(add, x, layer_id, module, in_features, size)
+            for module, size in zip(modules, out_features, strict=True)
+        ]
+        name = f"/lora/{layer_id}/{modules[0]}"
+        total = deltas[0] if len(deltas) == 1 else self.g.one("Concat", deltas, f"{name}/Concat", axis=-1)
+        return add("Add", [output, total], f"{name}/Add")
 
     # --- model parts -----------------------------------------------------------------------
 
@@ -354,6 +401,14 @@ class _LlamaGraphBuilder:
         projections = self.fused_linear(
             x, [layer.q_proj, layer.k_proj, layer.v_proj], f"{name}.qkv_proj", self.options.fuse_qkv
         )
+        projections = self.adapted(
+            layer_id,
+            x,
+            cfg.hidden_size,
+            projections,
+            ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+            (cfg.q_size, cfg.kv_size, cfg.kv_size),
+        )
         q, k, v = (projections, "", "") if isinstance(projections, str) else projections
         biases = (layer.q_bias, layer.k_bias, layer.v_bias)
         if any(b is not None for b in biases):
@@ -422,7 +477,8 @@ class _LlamaGraphBuilder:
             local_window_size=cfg.sliding_window if sliding else -1,
             **extra,
         )
-        return self.linear(attn, layer.o_proj, f"{name}.o_proj")
+        out = self.linear(attn, layer.o_proj, f"{name}.o_proj")
+        return self.adapted_packed(layer_id, attn, cfg.q_size, out, ("self_attn.o_proj",), (cfg.hidden_size,))
 
     def head_rms_norm(self, x: str, gamma: NDArray[np.float32], name: str) -> str:
         """RMSNorm over each head of a [batch, seq, heads * head_size] projection."""
@@ -441,6 +497,11 @@ class _LlamaGraphBuilder:
         projections = self.fused_linear(
             x, [layer.gate_proj, layer.up_proj], f"{name}.gate_up_proj", self.options.fuse_gate_up
         )
+        cfg = self.config
+        size = cfg.intermediate_size
+        projections = self.adapted(
+            layer_id, x, cfg.hidden_size, projections, ("mlp.gate_proj", "mlp.up_proj"), (size, size)
+        )
         if isinstance(projections, str):
             gate, up = self.g.node(
                 "Split",
@@ -457,7 +518,10 @@ class _LlamaGraphBuilder:
             sigmoid = self.g.one("Sigmoid", [gate], f"/{name}/act/Sigmoid")
             activated = self.g.one("Mul", [gate, sigmoid], f"/{name}/act/Mul")
         hidden = self.g.one("Mul", [activated, up], f"/{name}/Mul")
-        return self.linear(hidden, layer.down_proj, f"{name}.down_proj")
+        out = self.linear(hidden, layer.down_proj, f"{name}.down_proj")
+        return self.adapted_packed(
+            layer_id, hidden, cfg.intermediate_size, out, ("mlp.down_proj",), (cfg.hidden_size,)
+        )
 
     def rms_norm(self, x: str, gamma: NDArray[np.float32], name: str) -> str:
         g = self.g.float_initializer(gamma, f"{name}.weight")
@@ -590,6 +654,8 @@ class _LlamaGraphBuilder:
             for kind in ("key", "value"):
                 inputs.append(helper.make_tensor_value_info(f"past_key_values.{layer}.{kind}", ft, kv_in))
                 outputs.append(helper.make_tensor_value_info(f"present.{layer}.{kind}", ft, kv_out))
+        if self.lora is not None:
+            inputs.extend(self.lora.graph_inputs())
         graph = helper.make_graph(self.g.nodes, "llama", inputs, outputs, self.g.initializers)
         model = helper.make_model(
             graph,
