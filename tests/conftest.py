@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import subprocess
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import fields, replace
 from pathlib import Path
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
-from tests.support.serve_process import ServeProcess
+from tests.support.serve_process import ServeProcess, start_serve
 from tests.support.tiny_models import KV_CACHE_LOCATIONS, TinyModel
 from tokenwire.client import AsyncClient
 from tokenwire.server.app import ModelWrapper, TokenwireServer
@@ -178,6 +179,35 @@ def serve_processes() -> Iterator[list[ServeProcess]]:
     yield started
     for served in started:
         if served.process.poll() is None:
+            served.process.kill()
+            served.process.wait()
+
+
+DEFAULT_MODEL_NAME = "smollm2-135m-instruct"
+
+
+@pytest.fixture(scope="session")
+def default_model_api(real_model_dir: Path) -> Iterator[str]:
+    """The default model served by `tokenwire serve` in a child process for the whole session:
+    the base URL of its OpenAI-compatible API (the model is named DEFAULT_MODEL_NAME). A child
+    process, so libraries with synchronous clients can call it from the test's own thread."""
+    served = start_serve(
+        "--model",
+        f"{DEFAULT_MODEL_NAME}={real_model_dir}",
+        "--http-port",
+        "0",
+        "--max-batch-size",
+        "4",
+        "--max-context-length",
+        "2048",
+    )
+    try:
+        yield f"http://127.0.0.1:{served.http_port}/v1"
+    finally:
+        served.process.terminate()
+        try:
+            served.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
             served.process.kill()
             served.process.wait()
 

@@ -14,6 +14,8 @@ class ServeProcess:
     port: int
     metrics_port: int
     """0 when the server exports no Prometheus endpoint."""
+    http_port: int = 0
+    """0 when the server serves no OpenAI-compatible HTTP API."""
 
 
 def start_serve(*flags: str, log: Path | None = None) -> ServeProcess:
@@ -44,12 +46,14 @@ def start_serve(*flags: str, log: Path | None = None) -> ServeProcess:
     if log_file is not None:
         log_file.close()  # the child holds its own descriptor
     assert process.stdout is not None
-    metrics_port = 0
+    metrics_port = http_port = 0
     for line in process.stdout:
         if "metrics on" in line:
             metrics_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
+        if "OpenAI-compatible API on" in line:
+            http_port = int(line.rsplit(":", 1)[1].split("/", 1)[0])
         if "serving on" in line:
-            return ServeProcess(process, int(line.rsplit(":", 1)[1]), metrics_port)
+            return ServeProcess(process, int(line.rsplit(":", 1)[1]), metrics_port, http_port)
     raise AssertionError(f"server exited with {process.wait()} before serving")
 
 

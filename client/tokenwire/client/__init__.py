@@ -29,6 +29,10 @@ from tokenwire.client.types import (
     StreamEvent,
     Timing,
     TokenLogprob,
+    Tool,
+    ToolCall,
+    ToolCallDelta,
+    ToolChoice,
 )
 
 __all__ = [
@@ -58,6 +62,10 @@ __all__ = [
     "Tls",
     "TokenLogprob",
     "TokenwireError",
+    "Tool",
+    "ToolCall",
+    "ToolCallDelta",
+    "ToolChoice",
     "collect",
     "service_config",
 ]

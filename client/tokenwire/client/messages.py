@@ -24,6 +24,8 @@ from tokenwire.client.types import (
     StreamEvent,
     Timing,
     TokenLogprob,
+    ToolCall,
+    ToolCallDelta,
 )
 from tokenwire.v1 import inference_service_pb2 as pb
 
@@ -35,6 +37,12 @@ _FINISH = {
     pb.FINISH_REASON_EOS: FinishReason.EOS,
     pb.FINISH_REASON_STOP: FinishReason.STOP,
     pb.FINISH_REASON_CANCELLED: FinishReason.CANCELLED,
+    pb.FINISH_REASON_TOOL_CALLS: FinishReason.TOOL_CALLS,
+}
+_TOOL_CHOICE_MODES = {
+    "auto": pb.TOOL_CHOICE_MODE_AUTO,
+    "none": pb.TOOL_CHOICE_MODE_NONE,
+    "required": pb.TOOL_CHOICE_MODE_REQUIRED,
 }
 
 
@@ -68,7 +76,7 @@ def generate_request(
     if isinstance(prompt, str):
         message.prompt = prompt
     elif prompt and all(isinstance(item, ChatMessage) for item in prompt):
-        message.messages.extend(pb.ChatMessage(role=m.role, content=m.content) for m in prompt)  # type: ignore[union-attr]
+        message.messages.extend(_chat_message(m) for m in prompt)  # type: ignore[arg-type]
     else:
         message.token_ids.ids.extend(int(t) for t in prompt)  # type: ignore[arg-type]
     sampling = options.sampling
@@ -97,6 +105,18 @@ def generate_request(
         message.priority = _PRIORITIES[options.priority]
     if options.n != 1:
         message.n = options.n  # unset for one completion: the request stays what it always was
+    message.tools.extend(
+        pb.ToolDefinition(name=tool.name, description=tool.description, parameters=tool.parameters)
+        for tool in options.tools
+    )
+    choice = options.tool_choice
+    if choice is not None:
+        if choice.name:
+            message.tool_choice.name = choice.name
+        else:
+            message.tool_choice.mode = _TOOL_CHOICE_MODES[choice.mode]
+    if options.parallel_tool_calls is not None:
+        message.parallel_tool_calls = options.parallel_tool_calls
     response_format = options.response_format
     if response_format is not None:
         if response_format.json_schema is not None:
@@ -125,6 +145,7 @@ def generation(message: pb.GenerateResponse) -> Generation:
         timing=timing(message.timing),
         logprobs=tuple(logprob(lp) for lp in message.logprobs),
         choices=tuple(completion_choice(choice) for choice in message.choices),
+        tool_calls=tuple(_tool_call(call) for call in message.tool_calls),
     )
 
 
@@ -135,7 +156,23 @@ def completion_choice(message: pb.Completion) -> CompletionChoice:
         token_ids=tuple(message.token_ids),
         finish_reason=_FINISH.get(message.finish_reason, FinishReason.UNSPECIFIED),
         logprobs=tuple(logprob(lp) for lp in message.logprobs),
+        tool_calls=tuple(_tool_call(call) for call in message.tool_calls),
     )
+
+
+def _chat_message(message: ChatMessage) -> pb.ChatMessage:
+    chat = pb.ChatMessage(role=message.role, content=message.content)
+    if message.tool_calls or message.tool_call_id or message.name:
+        chat.tool.tool_calls.extend(
+            pb.ToolCall(id=c.id, name=c.name, arguments=c.arguments) for c in message.tool_calls
+        )
+        chat.tool.tool_call_id = message.tool_call_id
+        chat.tool.name = message.name
+    return chat
+
+
+def _tool_call(message: pb.ToolCall) -> ToolCall:
+    return ToolCall(message.id, message.name, message.arguments)
 
 
 def timing(message: pb.Timing) -> Timing:
@@ -174,6 +211,10 @@ def stream_event(message: pb.StreamGenerateResponse) -> StreamEvent:
             tuple(chunk.token_ids),
             tuple(logprob(lp) for lp in chunk.logprobs),
             index=chunk.index,
+            tool_calls=tuple(
+                ToolCallDelta(delta.index, delta.id, delta.name, delta.arguments)
+                for delta in chunk.tool_calls
+            ),
         )
     if kind == "queued":
         return Queued(request_id, message.queued.position)

@@ -12,6 +12,8 @@ class FinishReason(Enum):
     EOS = "eos"
     STOP = "stop"
     CANCELLED = "cancelled"
+    TOOL_CALLS = "tool_calls"
+    """The output ended by itself holding tool calls (Generation.tool_calls)."""
     UNSPECIFIED = "unspecified"
 
 
@@ -24,9 +26,43 @@ class Priority(Enum):
 
 
 @dataclass(frozen=True)
+class ToolCall:
+    """A call of a tool: one the model made, or one made earlier in a conversation."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text."""
+
+
+@dataclass(frozen=True)
 class ChatMessage:
     role: str
     content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    """An assistant message's calls."""
+    tool_call_id: str = ""
+    """A "tool" message: the call it answers."""
+    name: str = ""
+    """A "tool" message: the tool that answered."""
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call (GenerateRequest.tools)."""
+
+    name: str
+    description: str = ""
+    parameters: str = ""
+    """A JSON Schema of its arguments, as JSON text; empty: any object."""
+
+
+@dataclass(frozen=True)
+class ToolChoice:
+    """auto, none or required (`mode`), or one named tool (`name`, exactly one call of it)."""
+
+    mode: str = "auto"
+    name: str = ""
 
 
 @dataclass(frozen=True)
@@ -80,6 +116,10 @@ class GenerateOptions:
     response_format: ResponseFormat | None = None
     priority: Priority = Priority.DEFAULT
     n: int = 1
+    tools: tuple[Tool, ...] = ()
+    tool_choice: ToolChoice | None = None
+    """None: auto when tools are given."""
+    parallel_tool_calls: bool | None = None
     """Completions to generate from the prompt, 1 to 16 (prefilled once). With a seed, completion i
     samples with seed + i. With n > 1 they come back in Generation.choices, and each Chunk names
     its completion by index."""
@@ -116,6 +156,7 @@ class CompletionChoice:
     token_ids: tuple[int, ...]
     finish_reason: FinishReason
     logprobs: tuple[TokenLogprob, ...] = ()
+    tool_calls: tuple[ToolCall, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -138,6 +179,8 @@ class Generation:
     choices: tuple[CompletionChoice, ...] = ()
     """Every completion, in index order, when the request asked for n > 1 (text, token_ids and
     logprobs above are then empty, and completion_tokens counts all of them); empty for n = 1."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The calls the output holds when the request offered tools (text is then the rest)."""
 
 
 @dataclass(frozen=True)
@@ -172,6 +215,19 @@ class Chunk:
     logprobs: tuple[TokenLogprob, ...] = ()
     index: int = 0
     """Which completion these tokens belong to (0 unless the request asked for n > 1)."""
+    tool_calls: tuple[ToolCallDelta, ...] = ()
+    """Pieces of the tool calls the output holds; `text` is then what is not a call."""
+
+
+@dataclass(frozen=True)
+class ToolCallDelta:
+    """The next piece of a streamed call: its index, its id and name on its first piece, then
+    pieces of its arguments' JSON text."""
+
+    index: int
+    id: str = ""
+    name: str = ""
+    arguments: str = ""
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,42 @@ else:
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class _ToolChoiceMode:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _ToolChoiceModeEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ToolChoiceMode.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    TOOL_CHOICE_MODE_UNSPECIFIED: _ToolChoiceMode.ValueType  # 0
+    """Not set: AUTO."""
+    TOOL_CHOICE_MODE_AUTO: _ToolChoiceMode.ValueType  # 1
+    """The model chooses between text and calls. Calls are checked (a tool's name, arguments valid
+    against its schema); one that fails is returned as text.
+    """
+    TOOL_CHOICE_MODE_NONE: _ToolChoiceMode.ValueType  # 2
+    """No call: the tools are not rendered, and the output is text."""
+    TOOL_CHOICE_MODE_REQUIRED: _ToolChoiceMode.ValueType  # 3
+    """One or more calls and nothing else, forced by a grammar so that each call's arguments validate
+    against its tool's schema.
+    """
+
+class ToolChoiceMode(_ToolChoiceMode, metaclass=_ToolChoiceModeEnumTypeWrapper):
+    """ToolChoiceMode is a tool choice that names no tool."""
+
+TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode.ValueType  # 0
+"""Not set: AUTO."""
+TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.ValueType  # 1
+"""The model chooses between text and calls. Calls are checked (a tool's name, arguments valid
+against its schema); one that fails is returned as text.
+"""
+TOOL_CHOICE_MODE_NONE: ToolChoiceMode.ValueType  # 2
+"""No call: the tools are not rendered, and the output is text."""
+TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.ValueType  # 3
+"""One or more calls and nothing else, forced by a grammar so that each call's arguments validate
+against its tool's schema.
+"""
+Global___ToolChoiceMode: _TypeAlias = ToolChoiceMode  # noqa: Y015
+
 class _Priority:
     ValueType = _typing.NewType("ValueType", _builtins.int)
     V: _TypeAlias = ValueType  # noqa: Y015
@@ -65,6 +101,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     """The output reached one of the stop strings."""
     FINISH_REASON_CANCELLED: _FinishReason.ValueType  # 4
     """The client cancelled the generation."""
+    FINISH_REASON_TOOL_CALLS: _FinishReason.ValueType  # 5
+    """The output ended by itself (end-of-sequence or a stop string) holding tool calls
+    (GenerateRequest.tools).
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper):
     """FinishReason says why a generation ended."""
@@ -79,6 +119,10 @@ FINISH_REASON_STOP: FinishReason.ValueType  # 3
 """The output reached one of the stop strings."""
 FINISH_REASON_CANCELLED: FinishReason.ValueType  # 4
 """The client cancelled the generation."""
+FINISH_REASON_TOOL_CALLS: FinishReason.ValueType  # 5
+"""The output ended by itself (end-of-sequence or a stop string) holding tool calls
+(GenerateRequest.tools).
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final
@@ -104,6 +148,9 @@ class GenerateRequest(_message.Message):
     PRIORITY_FIELD_NUMBER: _builtins.int
     IDEMPOTENCY_KEY_FIELD_NUMBER: _builtins.int
     N_FIELD_NUMBER: _builtins.int
+    TOOLS_FIELD_NUMBER: _builtins.int
+    TOOL_CHOICE_FIELD_NUMBER: _builtins.int
+    PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen identifier: at most 128 characters, each printable ASCII other than space
     ("!" to "~"); anything else is INVALID_ARGUMENT. Required in StreamGenerate, where it must be
@@ -165,6 +212,8 @@ class GenerateRequest(_message.Message):
     the queue's places. With n > 1 the response lists the completions in GenerateResponse.choices
     and each TokenChunk says which completion it belongs to.
     """
+    parallel_tool_calls: _builtins.bool
+    """Whether one output may hold several calls (at most 8 when a call is forced). Unset: true."""
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """Chat conversation, rendered through the model's chat template with a generation prompt appended.
@@ -206,6 +255,20 @@ class GenerateRequest(_message.Message):
         combined with stopping.ignore_eos, since a complete match must end the output.
         """
 
+    @_builtins.property
+    def tools(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolDefinition]:
+        """Functions the model may call, at most 128 with unique names; only with `messages`, whose chat
+        template renders them (a template that does not gets the server's own instructions; see
+        docs/operations.md, "Tool calling"). Default: none. With tools, the output is read for calls in
+        the model family's format: GenerateResponse.tool_calls (streamed as TokenChunk.tool_calls)
+        holds them, `text` only what is not a call, and a completion that ended by itself with calls
+        has finish_reason TOOL_CALLS. INVALID_ARGUMENT naming "tools[i]..." for a bad tool.
+        """
+
+    @_builtins.property
+    def tool_choice(self) -> Global___ToolChoice:
+        """Whether and which tools the model calls. Unset: AUTO when tools are given."""
+
     def __init__(
         self,
         *,
@@ -223,16 +286,154 @@ class GenerateRequest(_message.Message):
         priority: Global___Priority.ValueType = ...,
         idempotency_key: _builtins.str = ...,
         n: _builtins.int = ...,
+        tools: _abc.Iterable[Global___ToolDefinition] | None = ...,
+        tool_choice: Global___ToolChoice | None = ...,
+        parallel_tool_calls: _builtins.bool | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_prompt", b"_prompt", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_prompt", b"_prompt", "idempotency_key", b"idempotency_key", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "n", b"n", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_prompt", b"_prompt", "idempotency_key", b"idempotency_key", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
+    _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
     _WhichOneofReturnType__prompt: _TypeAlias = _typing.Literal["prompt"]  # noqa: Y015
     _WhichOneofArgType__prompt: _TypeAlias = _typing.Literal["_prompt", b"_prompt"]  # noqa: Y015
+    @_typing.overload
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__parallel_tool_calls) -> _WhichOneofReturnType__parallel_tool_calls | None: ...
+    @_typing.overload
     def WhichOneof(self, oneof_group: _WhichOneofArgType__prompt) -> _WhichOneofReturnType__prompt | None: ...
 
 Global___GenerateRequest: _TypeAlias = GenerateRequest  # noqa: Y015
+
+@_typing.final
+class ToolDefinition(_message.Message):
+    """ToolDefinition is a function the model may call."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    DESCRIPTION_FIELD_NUMBER: _builtins.int
+    PARAMETERS_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """The function's name: 1 to 64 characters, each a letter, digit, '_' or '-'."""
+    description: _builtins.str
+    """What the function does, for the model to choose by; at most 65,536 characters. Default empty."""
+    parameters: _builtins.str
+    """A JSON Schema of the call's arguments, as JSON text of an object, at most 65,536 characters
+    (the bound of ResponseFormat.json_schema). Empty: an object with any properties.
+    """
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        description: _builtins.str = ...,
+        parameters: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["description", b"description", "name", b"name", "parameters", b"parameters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolDefinition: _TypeAlias = ToolDefinition  # noqa: Y015
+
+@_typing.final
+class ToolChoice(_message.Message):
+    """ToolChoice says whether the model calls tools, and which."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODE_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    mode: Global___ToolChoiceMode.ValueType
+    """AUTO, NONE or REQUIRED."""
+    name: _builtins.str
+    """Exactly one call of the tool of this name, forced by a grammar so that its arguments
+    validate against the tool's schema.
+    """
+    def __init__(
+        self,
+        *,
+        mode: Global___ToolChoiceMode.ValueType = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "mode", b"mode", "name", b"name"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choice", b"choice", "mode", b"mode", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_choice: _TypeAlias = _typing.Literal["mode", "name"]  # noqa: Y015
+    _WhichOneofArgType_choice: _TypeAlias = _typing.Literal["choice", b"choice"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_choice) -> _WhichOneofReturnType_choice | None: ...
+
+Global___ToolChoice: _TypeAlias = ToolChoice  # noqa: Y015
+
+@_typing.final
+class ToolCall(_message.Message):
+    """ToolCall is one call of a tool: made by the model (GenerateResponse.tool_calls), or earlier in a
+    conversation (ChatMessage.tool).
+    """
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    id: _builtins.str
+    """The call's id: "call_" and 24 hexadecimal digits, or nine letters and digits for a model of
+    the Mistral format. A "tool" message answers the call with this id in ChatMessage.tool.tool_call_id.
+    """
+    name: _builtins.str
+    """The tool called."""
+    arguments: _builtins.str
+    """The arguments, as JSON text of an object."""
+    def __init__(
+        self,
+        *,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCall: _TypeAlias = ToolCall  # noqa: Y015
+
+@_typing.final
+class ToolCallDelta(_message.Message):
+    """ToolCallDelta is the next piece of a call being streamed."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INDEX_FIELD_NUMBER: _builtins.int
+    ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    ARGUMENTS_FIELD_NUMBER: _builtins.int
+    index: _builtins.int
+    """Which call of the completion, from 0."""
+    id: _builtins.str
+    """The call's id, on the first delta of its index only."""
+    name: _builtins.str
+    """The tool called, on the first delta of its index only."""
+    arguments: _builtins.str
+    """The next piece of the arguments' JSON text: a call's pieces, joined in order, are its arguments."""
+    def __init__(
+        self,
+        *,
+        index: _builtins.int = ...,
+        id: _builtins.str = ...,
+        name: _builtins.str = ...,
+        arguments: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arguments", b"arguments", "id", b"id", "index", b"index", "name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolCallDelta: _TypeAlias = ToolCallDelta  # noqa: Y015
 
 @_typing.final
 class ResponseFormat(_message.Message):
@@ -319,23 +520,64 @@ class ChatMessage(_message.Message):
 
     ROLE_FIELD_NUMBER: _builtins.int
     CONTENT_FIELD_NUMBER: _builtins.int
+    TOOL_FIELD_NUMBER: _builtins.int
     role: _builtins.str
     """Who speaks: "system", "user", "assistant" or "tool"."""
     content: _builtins.str
     """What was said; plain text (see GenerateRequest.messages about control-token markup)."""
+    @_builtins.property
+    def tool(self) -> Global___ToolTurn:
+        """The turn's part in tool calling: an assistant message's calls, or the call a "tool" message
+        answers. Unset for other turns. (One sub-message, so that a conversation without tools costs
+        a server decoding it no more memory per message than before.)
+        """
+
     def __init__(
         self,
         *,
         role: _builtins.str = ...,
         content: _builtins.str = ...,
+        tool: Global___ToolTurn | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["tool", b"tool"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["content", b"content", "role", b"role", "tool", b"tool"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ChatMessage: _TypeAlias = ChatMessage  # noqa: Y015
+
+@_typing.final
+class ToolTurn(_message.Message):
+    """ToolTurn is a chat message's part in tool calling."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    TOOL_CALL_ID_FIELD_NUMBER: _builtins.int
+    NAME_FIELD_NUMBER: _builtins.int
+    tool_call_id: _builtins.str
+    """On a "tool" message: the id of the call it answers."""
+    name: _builtins.str
+    """On a "tool" message: the tool that answered. Optional."""
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The calls an assistant message made (its `content` may then be empty)."""
+
+    def __init__(
+        self,
+        *,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
+        tool_call_id: _builtins.str = ...,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "tool_call_id", b"tool_call_id", "tool_calls", b"tool_calls"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ToolTurn: _TypeAlias = ToolTurn  # noqa: Y015
 
 @_typing.final
 class TokenIds(_message.Message):
@@ -720,6 +962,7 @@ class GenerateResponse(_message.Message):
     TIMING_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     CHOICES_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The request's id (assigned by the server when the unary request left it empty)."""
     model: _builtins.str
@@ -758,6 +1001,13 @@ class GenerateResponse(_message.Message):
         finish_reason: the chunks carried its text, tokens and logprobs.
         """
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The calls the output holds, in order, when the request offered tools; `text` is then what
+        is not a call. Empty in a streamed `completed` event (the chunks carried them) and with n > 1
+        (each Completion has its own).
+        """
+
     def __init__(
         self,
         *,
@@ -770,10 +1020,11 @@ class GenerateResponse(_message.Message):
         timing: Global___Timing | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         choices: _abc.Iterable[Global___Completion] | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["timing", b"timing", "usage", b"usage"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "usage", b"usage"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["choices", b"choices", "finish_reason", b"finish_reason", "logprobs", b"logprobs", "model", b"model", "request_id", b"request_id", "text", b"text", "timing", b"timing", "token_ids", b"token_ids", "tool_calls", b"tool_calls", "usage", b"usage"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -790,6 +1041,7 @@ class Completion(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     FINISH_REASON_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     index: _builtins.int
     """Which completion: 0 to n - 1, the index its TokenChunks carry."""
     text: _builtins.str
@@ -804,6 +1056,10 @@ class Completion(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
         """One entry per generated token when the request asked for logprobs."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCall]:
+        """The calls this completion holds, as GenerateResponse.tool_calls."""
+
     def __init__(
         self,
         *,
@@ -812,10 +1068,11 @@ class Completion(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         finish_reason: Global___FinishReason.ValueType = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
+        tool_calls: _abc.Iterable[Global___ToolCall] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["finish_reason", b"finish_reason", "index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -991,6 +1248,7 @@ class TokenChunk(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     LOGPROBS_FIELD_NUMBER: _builtins.int
     INDEX_FIELD_NUMBER: _builtins.int
+    TOOL_CALLS_FIELD_NUMBER: _builtins.int
     text: _builtins.str
     """New text. Never splits a UTF-8 character and never contains any part of a stop string; text
     that may be the beginning of a stop string is held back until it is known not to be.
@@ -1008,6 +1266,13 @@ class TokenChunk(_message.Message):
     def logprobs(self) -> _containers.RepeatedCompositeFieldContainer[Global___TokenLogprob]:
         """Log-probabilities of token_ids, when the request asked for them."""
 
+    @_builtins.property
+    def tool_calls(self) -> _containers.RepeatedCompositeFieldContainer[Global___ToolCallDelta]:
+        """Pieces of the tool calls the output holds (GenerateRequest.tools): `text` then carries only
+        what is not a call. A forced call's arguments stream as they are generated; a call the model
+        chose (AUTO) comes whole once it is checked, in one delta.
+        """
+
     def __init__(
         self,
         *,
@@ -1015,10 +1280,11 @@ class TokenChunk(_message.Message):
         token_ids: _abc.Iterable[_builtins.int] | None = ...,
         logprobs: _abc.Iterable[Global___TokenLogprob] | None = ...,
         index: _builtins.int = ...,
+        tool_calls: _abc.Iterable[Global___ToolCallDelta] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["index", b"index", "logprobs", b"logprobs", "text", b"text", "token_ids", b"token_ids", "tool_calls", b"tool_calls"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -44,6 +44,7 @@ from tokenwire.server.security.auth import BearerTokenInterceptor
 from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.security.gateway_headers import GatewayHeaders
 from tokenwire.server.telemetry.exporters import MetricsTls, Telemetry
+from tokenwire.server.text.tools import ToolCallFormat
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +99,18 @@ class TokenwireServer:
             ),
             span_exporter=span_exporter,
         )
+        self.callers = CallerDirectory(settings.auth.token_callers())
+        self.admission = Admission(
+            self.registry,
+            self.lifecycle,
+            self.telemetry.requests,
+            self.callers,
+            settings.limits,
+            self.generations,
+            GatewayHeaders(settings.gateway, (caller for _, caller in settings.auth.token_callers())),
+        )
+        """The one admission of both edges: the same callers, gateway headers, idempotency keys,
+        limits and validation for a gRPC call and an HTTP request."""
         self.load_tracker = LoadTracker()
         watermarks = self.health if settings.health.queue_high_watermark is not None else None
         observers: list[EngineObserver | None] = [
@@ -163,7 +176,6 @@ class TokenwireServer:
 
     async def _start_http(self, settings: ServerSettings) -> int:
         """The HTTP edge on the same registry, lifecycle, callers, limits and telemetry as gRPC."""
-        callers = CallerDirectory(settings.auth.token_callers())
         tokens = (
             BearerTokenInterceptor(settings.auth.tokens, refuse=errors.abort)
             if settings.auth.enabled
@@ -171,9 +183,9 @@ class TokenwireServer:
         )
         app = OpenAIApp(
             self.registry,
-            Admission(self.registry, self.lifecycle, self.telemetry.requests, callers, settings.limits),
+            self.admission,
             self.telemetry.requests,
-            callers,
+            self.callers,
             tokens=tokens,
             max_body_bytes=settings.max_receive_message_bytes,
             body_timeout=settings.http.body_timeout,
@@ -196,18 +208,14 @@ class TokenwireServer:
         server = grpc.aio.server(options=server_options(settings), interceptors=interceptors)
         self._servicer = InferenceServicer(
             self.registry,
-            self.lifecycle,
-            telemetry=self.telemetry.requests,
-            callers=CallerDirectory(settings.auth.token_callers()),
-            limits=settings.limits,
+            self.admission,
+            self.telemetry.requests,
             stream_caps=StreamCaps(
                 generations=settings.stream.max_generations_per_stream,
                 queued=settings.stream.queued_per_stream(settings.engine.max_queue_size),
                 unsent_bytes=settings.stream.max_unsent_bytes_per_stream,
                 unread_timeout=settings.stream.unread_output_timeout,
             ),
-            generations=self.generations,
-            gateway=GatewayHeaders(settings.gateway, (caller for _, caller in settings.auth.token_callers())),
         )
         add_inference_service(self._servicer, server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
@@ -272,7 +280,14 @@ class TokenwireServer:
                 control_tokens_in_content=settings.limits.control_tokens_in_messages,
                 context_length=loaded.info.context_length,
             )
-            validator = RequestValidator(loaded.info, loaded.tokenizer, chat, settings.limits)
+            template = loaded.chat_template
+            validator = RequestValidator(
+                loaded.info,
+                loaded.tokenizer,
+                chat,
+                settings.limits,
+                ToolCallFormat.JSON if template is None else template.tool_format,
+            )
             self.registry.add(ServedModel(loaded, engine, validator))
         self.lifecycle.enter(ServingPhase.SERVING)
 
@@ -295,8 +310,7 @@ class TokenwireServer:
         if self._server is not None:
             await self._server.stop(grace)
             self._server = None
-        if self._servicer is not None:
-            self._servicer.close()
+        self.admission.close()
         if self._health_server is not None:
             await self._health_server.stop(0)
             self._health_server = None

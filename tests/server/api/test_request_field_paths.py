@@ -55,3 +55,16 @@ def test_bias_and_penalty_fields_are_reported_under_sampling() -> None:
         "sampling.presence_penalty",
         "sampling.frequency_penalty",
     ]
+
+
+def test_a_messages_tool_fields_are_reported_in_its_tool_sub_message() -> None:
+    engine_error = GenerationError.invalid(
+        FieldViolation("messages[2].tool_calls[0].name", "'a b' is not a tool name"),
+        FieldViolation("messages[3].tool_call_id", "holds the control token '<|im_end|>'; remove it"),
+        FieldViolation("tools[1].parameters", "longer than 65536 characters"),
+    )
+    assert [v.field for v in request_error(engine_error).violations] == [
+        "messages[2].tool.tool_calls[0].name",
+        "messages[3].tool.tool_call_id",
+        "tools[1].parameters",
+    ]

@@ -107,31 +107,54 @@ class Run:
     """The command's most resident memory, in bytes."""
 
 
+_REPORTS_ITS_PEAK = (
+    "import atexit, os, sys\n"
+    "def report():\n"
+    "    with open('/proc/self/status') as status:\n"
+    "        peak = next(line for line in status if line.startswith('VmHWM:'))\n"
+    "    with open(os.environ['TOKENWIRE_TEST_PEAK_FILE'], 'w') as out:\n"
+    "        out.write(peak)\n"
+    "atexit.register(report)\n"
+    "from tokenwire.server.cli import main\n"
+    "sys.exit(main())\n"
+)
+"""The CLI, writing its own peak resident memory (VmHWM) when it exits. The child's rusage is no
+measure: a forked child's maxrss starts at its parent's resident size (the test process, which
+may have grown to hundreds of MiB by then), and only the memory the command itself used counts."""
+
+
 def run_bounded(
     *args: str, memory_bytes: int = 1024 * MIB, timeout: float = 300, env: Mapping[str, str] | None = None
 ) -> Run:
-    """`python -m tokenwire.server.cli ARGS` with its heap capped at `memory_bytes` (RLIMIT_DATA), so
-    a reader that believes a lie fails there (a MemoryError) instead of taking the machine; a run
-    past `timeout` seconds is killed."""
+    """The CLI with ARGS with its heap capped at `memory_bytes` (RLIMIT_DATA), so a reader that
+    believes a lie fails there (a MemoryError) instead of taking the machine; a run past `timeout`
+    seconds is killed."""
 
     def cap() -> None:
         resource.setrlimit(resource.RLIMIT_DATA, (memory_bytes, memory_bytes))
 
-    with tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as stderr:
+    with (
+        tempfile.TemporaryFile("w+", encoding="utf-8", errors="replace") as stderr,
+        tempfile.TemporaryDirectory() as scratch,
+    ):
+        peak_file = Path(scratch) / "peak"
         process = subprocess.Popen(
-            [sys.executable, "-m", "tokenwire.server.cli", *args],
+            [sys.executable, "-c", _REPORTS_ITS_PEAK, *args],
             stdout=subprocess.DEVNULL,
             stderr=stderr,
             preexec_fn=cap,
-            env={**os.environ, **(env or {})},
+            env={**os.environ, **(env or {}), "TOKENWIRE_TEST_PEAK_FILE": str(peak_file)},
         )
         killer = threading.Timer(timeout, process.kill)
         killer.start()
         try:
-            # wait4, not wait: it reports this child's own peak memory.
-            _, status, usage = os.wait4(process.pid, 0)
+            status = process.wait()
         finally:
             killer.cancel()
-        process.returncode = os.waitstatus_to_exitcode(status)
         stderr.seek(0)
-        return Run(process.returncode, stderr.read(), usage.ru_maxrss * 1024)
+        reported = peak_file.read_text().split() if peak_file.exists() else []
+        assert reported[-1:] == ["kB"], (
+            f"the command reported no peak (exit {status}): {stderr.read()[-2000:]}"
+        )
+        stderr.seek(0)
+        return Run(status, stderr.read(), int(reported[1]) * 1024)

@@ -52,7 +52,7 @@ def client_of(server: TokenwireServer) -> openai.AsyncOpenAI:
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}, "messages[0].content[0]"),
         ({"extra_body": {"tools_please": True}}, "tools_please"),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+        ({"tools": [{"type": "function", "function": {"name": "a tool"}}]}, "tools[0].function.name"),
         ({"stream_options": {"include_usage": True}}, "stream_options"),
         ({"response_format": {"type": "yaml"}}, "response_format.type"),
         (

@@ -16,6 +16,7 @@ import grpc
 import pytest
 
 from tests.conftest import tiny_settings
+from tests.server.openai_api.raw_http import request as http_request
 from tests.support.polling import wait_until
 from tests.support.prometheus import Scrape, scrape
 from tests.support.servers import serving
@@ -24,6 +25,8 @@ from tokenwire.client import TokenwireError
 from tokenwire.server.config import AuthSettings, ServerSettings, TelemetrySettings
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.types import Caller, Priority
+from tokenwire.server.openai_api.parsing import PRIORITY_HEADER
+from tokenwire.server.openai_api.settings import HttpSettings
 from tokenwire.server.security.auth import load_token_callers
 from tokenwire.server.security.gateway_headers import (
     CALLER_MISMATCH,
@@ -278,3 +281,43 @@ def test_a_long_header_value_is_cut_short_in_the_error() -> None:
     assert len(str(refused.value)) < 400
     assert headers.priority((), None) is None
     assert headers.priority(((OBJECTIVE_HEADER, "default"),), None) is Priority.DEFAULT
+
+
+# -- the same headers over the OpenAI-compatible HTTP API ----------------------------------------
+
+
+async def test_over_http_the_headers_act_as_over_grpc(tiny_model_dir: Path, auth: AuthSettings) -> None:
+    """One admission serves both edges: the fairness header names the caller an HTTP request runs
+    as, a caller naming another is refused naming the header, and an objective sets the priority
+    an HTTP request leaves unset (no priority header is not DEFAULT) and must agree with one it sets."""
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
+    async with serving(settings(tiny_model_dir, auth, http=HttpSettings(port=0))) as server:
+        assert server.http_port is not None
+        post = partial(http_request, server.http_port, "POST", "/v1/completions", body)
+
+        def bearer(token: str, **headers: str) -> dict[str, str]:
+            return {"authorization": f"Bearer {token}", **headers}
+
+        forwarded = await post(headers=bearer(GATEWAY_TOKEN, **fairness("search")))
+        posing = await post(headers=bearer(REPORTS_TOKEN, **fairness("search")))
+        unknown = await post(headers=bearer(GATEWAY_TOKEN, **fairness("nobody")))
+        objective_alone = await post(headers=bearer(SEARCH_TOKEN, **objective("batch")))
+        agreeing = await post(
+            headers=bearer(SEARCH_TOKEN, **objective("batch"), **{PRIORITY_HEADER: "batch"})
+        )
+        contradicting = await post(
+            headers=bearer(SEARCH_TOKEN, **objective("batch"), **{PRIORITY_HEADER: "interactive"})
+        )
+        assert server.metrics_port is not None
+        metrics = await scrape(server.metrics_port)
+    assert [forwarded.status, objective_alone.status, agreeing.status] == [200, 200, 200]
+    for refused, header, reason in (
+        (posing, FAIRNESS_ID_HEADER, CALLER_MISMATCH),
+        (unknown, FAIRNESS_ID_HEADER, UNKNOWN_CALLER),
+        (contradicting, OBJECTIVE_HEADER, PRIORITY_MISMATCH),
+    ):
+        assert refused.status == 400
+        assert refused.error()["param"] == header
+        assert refused.error()["code"] == reason.lower()
+    assert requests_of(metrics, caller="search", outcome="ok") == 3
+    assert requests_of(metrics, caller="inference-gateway") == 1  # the unknown name's refusal

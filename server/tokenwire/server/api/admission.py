@@ -1,14 +1,16 @@
 """Admission: one generation request from its arrival to the engine's queue, or to its refusal.
 
-Generate and StreamGenerate admit a request the same way: start its telemetry record, check its
-sizes against their bounds (request_bounds.py), convert it, check that the server takes work,
-resolve the model, validate the request against it and submit it. A refusal at any step is
-recorded and raised as a GenerationError; each RPC answers it in its own way (a status for
-Generate, an error event on the stream).
+Every generation request, from either edge, is admitted the same way: start its telemetry
+record, read the caller (and the gateway's headers), check its sizes against their bounds
+(request_bounds.py), convert it, check that the server takes work, resolve the model, validate
+the request against it and submit it. A refusal at any step is recorded and raised as a
+GenerationError; each edge answers it in its own way (a status for Generate, an error event on
+a stream, an HTTP error).
 
-The gRPC edge hands over the decoded GenerateRequest; another edge (the OpenAI-compatible HTTP
-API) hands over a DecodedRequest, already in domain terms, whose bounds the request validator
-checks before anything grows with the input. From there both take the same path.
+Each edge hands over its decoded request as one plain `AdmissionInput`: its sizes, how to convert
+it into a RequestSpec (the priority None when the request leaves it unset, so the gateway's
+objective header may set it), how to rename the validator's fields into the edge's terms, and
+the idempotency key. Nothing here knows which edge a request came by.
 
 Validation tokenizes the prompt or renders the conversation, work that grows with the input:
 beyond a small input it runs in a worker thread, in pieces that each hold the GIL only briefly
@@ -25,19 +27,18 @@ from collections.abc import Callable, Container
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 
-from tokenwire.server.api import convert, request_bounds
-from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.api import request_bounds
 from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
-from tokenwire.server.engine.types import AbortReason, EngineEvent, GenerationRequest, Priority
+from tokenwire.server.engine.types import AbortReason, EngineEvent, GenerationRequest
 from tokenwire.server.engine.validation import RequestLimits, RequestSpec
 from tokenwire.server.lifecycle import Lifecycle
 from tokenwire.server.metadata import Metadata
 from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.security.gateway_headers import GatewayHeaders
 from tokenwire.server.telemetry.requests import RequestRecord, RequestTelemetry
-from tokenwire.v1 import inference_service_pb2 as pb
+from tokenwire.server.text.tools import ToolCalling
 
 
 @dataclass(frozen=True)
@@ -51,20 +52,23 @@ class Admitted:
     through the generation registry when other calls may share the generation."""
     attached: bool = False
     """True when the call joined a generation asked for earlier with the same idempotency key."""
+    tool_calling: ToolCalling | None = None
+    """How the output is read for tool calls; None when the request offers no tools."""
 
 
 @dataclass(frozen=True)
-class DecodedRequest:
-    """A request another edge decoded into domain terms, for the same admission as gRPC's.
+class AdmissionInput:
+    """One decoded request of either edge, in the plain terms admission reads."""
 
-    The edge bounded the bytes it read and parsed; counts and lengths inside (messages, stop
-    strings, prompt characters) are the validator's first checks, before any tokenizing.
-    """
-
-    spec: RequestSpec
-    """With a request id: the edge names every request it admits."""
+    sizes: request_bounds.RequestSizes
+    """Its id, model and sizes, bounded before anything else is read."""
+    convert: Callable[[], RequestSpec]
+    """The request in domain terms, called once its sizes are within their bounds. Raises
+    GenerationError (fields named as in RequestSpec) for a value the edge cannot convert."""
     name_fields: Callable[[GenerationError], GenerationError]
-    """Renames the violations of a validation error (RequestSpec fields) into the edge's terms."""
+    """Renames the violations of an error (RequestSpec fields) into the edge's terms."""
+    idempotency_key: str | None = None
+    """Makes the request idempotent for its caller; None: it is not."""
 
 
 INLINE_INPUT_CHARACTERS = 2048
@@ -101,7 +105,7 @@ class Admission:
         self,
         method: str,
         metadata: Metadata | None,
-        message: pb.GenerateRequest,
+        sizes: request_bounds.RequestSizes,
         error: GenerationError,
         *,
         received: float,
@@ -116,14 +120,14 @@ class Admission:
             with contextlib.suppress(GenerationError):
                 caller = self._gateway.caller(caller, metadata)
         record.identified(caller.name)
-        record.describe(RequestSpec(request_id=message.request_id, model=message.model))
+        record.describe(RequestSpec(request_id=sizes.request_id, model=sizes.model))
         record.refused(error)
 
     async def admit(
         self,
         method: str,
         metadata: Metadata | None,
-        message: pb.GenerateRequest | UndecodableRequest | DecodedRequest,
+        message: AdmissionInput,
         *,
         received: float,
         call_deadline: float | None,
@@ -147,46 +151,38 @@ class Admission:
             if self._gateway is not None:
                 caller = self._gateway.caller(caller, metadata)
                 record.identified(caller.name)
-            if isinstance(message, UndecodableRequest):
-                raise message.error()
-            if isinstance(message, DecodedRequest):
-                spec = message.spec
-                name_fields = message.name_fields
-            else:
-                # Only the id and model first: the rest may be huge, and is bounded before it is read.
-                record.describe(RequestSpec(request_id=message.request_id, model=message.model))
-                request_bounds.check_before_model(message, self._limits)
-                spec = convert.request_spec(message)
-                name_fields = convert.request_error
-            if self._gateway is not None and spec.priority is not None:  # None: a value validation refuses
-                body: Priority | None = spec.priority
-                if isinstance(message, pb.GenerateRequest) and message.priority == pb.PRIORITY_UNSPECIFIED:
-                    body = None
-                spec = replace(spec, priority=self._gateway.priority(metadata, body) or spec.priority)
+            sizes = message.sizes
+            # Only the id and model first: the rest may be huge, and is bounded before it is read.
+            record.describe(RequestSpec(request_id=sizes.request_id, model=sizes.model))
+            request_bounds.check_before_model(sizes, self._limits)
+            spec = message.convert()
+            if self._gateway is not None:
+                spec = replace(spec, priority=self._gateway.priority(metadata, spec.priority))
             if live_ids is None and not spec.request_id:
                 spec = replace(spec, request_id=f"gen-{uuid.uuid4().hex[:16]}")
             record.describe(spec)
             if live_ids is not None and spec.request_id and spec.request_id in live_ids:
                 raise _duplicate_id(spec.request_id)
             # Only an idempotency key makes a request retryable (bounded above, so at most 128
-            # characters); a request without one is never looked up and pays nothing. The HTTP
-            # edge's requests carry none.
-            idempotency_key = (
-                None if isinstance(message, DecodedRequest) else convert.idempotency_key(message)
-            )
+            # characters); a request without one is never looked up and pays nothing.
+            idempotency_key = message.idempotency_key or None
             fingerprint = b""
             if self._generations is not None and idempotency_key is not None:
-                assert isinstance(message, pb.GenerateRequest), "only a GenerateRequest carries a key"
-                fingerprint = _fingerprint(message)
+                fingerprint = _fingerprint(spec)
                 earlier = self._generations.find(caller.name, idempotency_key, fingerprint)
                 if earlier is not None:
                     subscription = self._generations.attach(earlier, observed)
-                    return Admitted(spec.request_id, 0, _leaving(subscription.stop, record), attached=True)
+                    return Admitted(
+                        spec.request_id,
+                        0,
+                        _leaving(subscription.stop, record),
+                        attached=True,
+                        tool_calling=self._tool_calling(spec),
+                    )
             self._lifecycle.check_accepting()
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
-            if not isinstance(message, DecodedRequest):
-                request_bounds.check_against_model(message, self._limits, served.model.info.context_length)
+            request_bounds.check_against_model(sizes, self._limits, served.model.info.context_length)
             # A request the queue would refuse whatever its prompt is refused before its prompt
             # is tokenized: a flood over its share must not spend the cores the others need.
             served.engine.check_room(caller)
@@ -199,25 +195,32 @@ class Admission:
                     require_request_id=live_ids is not None,
                 )
 
-            try:
-                if _small(spec):
-                    request = validate()
-                else:
-                    request = await asyncio.get_running_loop().run_in_executor(self._workers, validate)
-            except GenerationError as error:
-                raise name_fields(error) from None
+            if _small(spec):
+                request = validate()
+            else:
+                request = await asyncio.get_running_loop().run_in_executor(self._workers, validate)
             request = replace(request, caller=caller)
+            calling = served.validator.tool_calling(spec)
             if idempotency_key is None or self._generations is None:
                 ticket = served.engine.submit(request, observed)
                 engine, key = served.engine, ticket.key
                 return Admitted(
-                    spec.request_id, ticket.queue_position, lambda reason: engine.abort(key, reason)
+                    spec.request_id,
+                    ticket.queue_position,
+                    lambda reason: engine.abort(key, reason),
+                    tool_calling=calling,
                 )
             # The same request may have arrived while this one was validated on a worker.
             earlier = self._generations.find(caller.name, idempotency_key, fingerprint)
             if earlier is not None:
                 subscription = self._generations.attach(earlier, observed)
-                return Admitted(spec.request_id, 0, _leaving(subscription.stop, record), attached=True)
+                return Admitted(
+                    spec.request_id,
+                    0,
+                    _leaving(subscription.stop, record),
+                    attached=True,
+                    tool_calling=calling,
+                )
             generation, subscription = self._generations.begin(
                 caller.name, idempotency_key, fingerprint, observed
             )
@@ -227,13 +230,28 @@ class Admission:
                 self._generations.discard(generation)
                 raise
             self._generations.bind(generation, served.engine, ticket.key)
-            return Admitted(spec.request_id, ticket.queue_position, _leaving(subscription.stop, record))
+            return Admitted(
+                spec.request_id,
+                ticket.queue_position,
+                _leaving(subscription.stop, record),
+                tool_calling=calling,
+            )
         except GenerationError as error:
-            record.refused(error)
-            raise
+            # Every refusal names its fields in the edge's own terms, whichever step refused it.
+            named = message.name_fields(error)
+            record.refused(named)
+            raise named from None
         except asyncio.CancelledError:  # the call went away while its request was being validated
             record.left(AbortReason.DISCONNECTED, reached_engine=False)
             raise
+
+    def _tool_calling(self, spec: RequestSpec) -> ToolCalling | None:
+        """How a generation joined before its model was resolved here reads its output."""
+        try:
+            served = self._registry.resolve(spec.model)
+        except GenerationError:
+            return None
+        return served.validator.tool_calling(spec)
 
 
 def _leaving(stop: Callable[[AbortReason], None], record: RequestRecord) -> Callable[[AbortReason], None]:
@@ -252,20 +270,20 @@ def _leaving(stop: Callable[[AbortReason], None], record: RequestRecord) -> Call
     return stop_and_record
 
 
-def _fingerprint(message: pb.GenerateRequest) -> bytes:
-    """The request's body, its handle and key aside: two requests with equal fingerprints ask for
-    the same thing (a retry may come on another stream, under another request_id)."""
-    body = pb.GenerateRequest()
-    body.CopyFrom(message)
-    body.request_id = ""
-    body.idempotency_key = ""
-    if body.n == 1:
-        body.n = 0  # 0 and 1 both ask for one completion: a retry may spell it either way
-    return hashlib.sha256(body.SerializeToString(deterministic=True)).digest()
+def _fingerprint(spec: RequestSpec) -> bytes:
+    """The request as converted, its handle aside: two requests with equal fingerprints ask for
+    the same thing (a retry may come on another stream, under another request_id). RequestSpec
+    is a frozen dataclass of plain values, so its repr spells every field deterministically."""
+    body = replace(spec, request_id="", n=spec.n or 1)  # n unset and 1 both ask for one completion
+    return hashlib.sha256(repr(body).encode()).digest()
 
 
 def _small(spec: RequestSpec) -> bool:
     """Whether validating `spec` is too little work to be worth a worker thread."""
+    if spec.tools and sum(len(tool.parameters) + len(tool.description) for tool in spec.tools) > (
+        INLINE_INPUT_CHARACTERS
+    ):
+        return False
     if spec.prompt is not None:
         return len(spec.prompt) <= INLINE_INPUT_CHARACTERS
     if spec.messages:

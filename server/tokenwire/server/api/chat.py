@@ -10,9 +10,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from tokenwire.server.engine.errors import FieldViolation, GenerationError
+from tokenwire.server.engine.validation import context_violation
 from tokenwire.server.text.chat import ChatTemplate, ChatTemplateError, ChatTurn
 from tokenwire.server.text.conversation import ControlTokenInContentError, conversation_ids
 from tokenwire.server.text.tokenizer import Tokenizer, TooManyTokensError
+from tokenwire.server.text.tools import ToolDefinition
 
 
 class ChatPrompts:
@@ -31,7 +33,9 @@ class ChatPrompts:
         self._control_tokens_in_content = control_tokens_in_content
         self._context_length = context_length
 
-    def __call__(self, turns: Sequence[ChatTurn]) -> list[int]:
+    def __call__(self, turns: Sequence[ChatTurn], tools: Sequence[ToolDefinition] = ()) -> list[int]:
+        if not self._control_tokens_in_content:
+            self._refuse_control_tokens(turns, tools)
         try:
             return conversation_ids(
                 self._template,
@@ -39,14 +43,11 @@ class ChatPrompts:
                 turns,
                 control_tokens_in_content=self._control_tokens_in_content,
                 max_tokens=self._context_length - 1,
+                tools=tools,
             )
         except TooManyTokensError as error:
             raise GenerationError.invalid(
-                FieldViolation(
-                    "messages",
-                    f"at least {error.at_least} tokens leave no room in the context of "
-                    f"{self._context_length} tokens",
-                )
+                context_violation("messages", error.at_least, self._context_length, at_least=True)
             ) from None
         except ChatTemplateError as error:
             raise GenerationError.invalid(FieldViolation("messages", str(error))) from error
@@ -58,6 +59,31 @@ class ChatPrompts:
                     "does not let the server keep as plain text; remove it",
                 )
             ) from error
+
+    def _refuse_control_tokens(self, turns: Sequence[ChatTurn], tools: Sequence[ToolDefinition]) -> None:
+        """A template renders tools and earlier calls as its own text, so control-token markup
+        in them would become control tokens: refused, as in content the template changes."""
+        specials = self._tokenizer.special_tokens
+        fields: list[tuple[str, str]] = []
+        for index, tool in enumerate(tools):
+            fields += [
+                (f"tools[{index}].description", tool.description),
+                (f"tools[{index}].parameters", tool.parameters),
+            ]
+        for index, turn in enumerate(turns):
+            where = f"messages[{index}]"
+            fields += [(f"{where}.tool_call_id", turn.tool_call_id), (f"{where}.name", turn.name)]
+            for number, call in enumerate(turn.tool_calls):
+                fields += [
+                    (f"{where}.tool_calls[{number}].id", call.id),
+                    (f"{where}.tool_calls[{number}].arguments", call.arguments),
+                ]
+        for field, text in fields:
+            found = next((token for token in specials if token in text), None) if text else None
+            if found is not None:
+                raise GenerationError.invalid(
+                    FieldViolation(field, f"holds the control token {found!r}; remove it")
+                )
 
 
 def chat_prompts(

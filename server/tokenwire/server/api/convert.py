@@ -2,8 +2,14 @@
 
 from __future__ import annotations
 
+import re
+
 from google.protobuf.duration_pb2 import Duration
 
+from tokenwire.server.api.admission import AdmissionInput
+from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.api.request_bounds import RequestSizes
+from tokenwire.server.api.tool_output import ToolOutput, ends_with_calls
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.engine.types import (
     Completed,
@@ -22,10 +28,11 @@ from tokenwire.server.engine.validation import RequestSpec
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat
 from tokenwire.server.text.chat import ChatTurn
+from tokenwire.server.text.tool_calls import CallDelta
+from tokenwire.server.text.tools import ToolCall, ToolChoice, ToolChoiceMode, ToolDefinition
 from tokenwire.v1 import inference_service_pb2 as pb
 
 _PRIORITIES = {
-    pb.PRIORITY_UNSPECIFIED: Priority.DEFAULT,
     pb.PRIORITY_INTERACTIVE: Priority.INTERACTIVE,
     pb.PRIORITY_DEFAULT: Priority.DEFAULT,
     pb.PRIORITY_BATCH: Priority.BATCH,
@@ -39,14 +46,65 @@ _FINISH_REASONS = {
 }
 
 
+def admission_input(message: pb.GenerateRequest | UndecodableRequest) -> AdmissionInput:
+    """A decoded GenerateRequest (or bytes that did not decode) as admission takes it."""
+    if isinstance(message, UndecodableRequest):
+        error = message.error()
+
+        def undecodable() -> RequestSpec:
+            raise error
+
+        return AdmissionInput(RequestSizes(), undecodable, request_error)
+    return AdmissionInput(
+        request_sizes(message),
+        lambda: request_spec(message),
+        request_error,
+        idempotency_key=message.idempotency_key or None,
+    )
+
+
+def request_sizes(message: pb.GenerateRequest) -> RequestSizes:
+    """The sizes of a decoded request, read without looking inside its repeated fields."""
+    messages = message.messages
+    return RequestSizes(
+        request_id=message.request_id,
+        idempotency_key=message.idempotency_key,
+        model=message.model,
+        messages=len(messages),
+        roles=lambda: (turn.role for turn in messages),
+        message_characters=lambda: sum(len(turn.content) for turn in messages),
+        prompt_characters=len(message.prompt) if message.HasField("prompt") else None,
+        token_ids=len(message.token_ids.ids) if message.HasField("token_ids") else None,
+        logit_bias=len(message.sampling.logit_bias),
+        stop=len(message.stopping.stop),
+        tools=len(message.tools),
+    )
+
+
 def request_spec(message: pb.GenerateRequest) -> RequestSpec:
+    """The request in domain terms. Raises GenerationError for a priority this server does not know."""
+    if message.priority != pb.PRIORITY_UNSPECIFIED and message.priority not in _PRIORITIES:
+        raise GenerationError.invalid(
+            FieldViolation("priority", "unknown value; use INTERACTIVE, DEFAULT or BATCH")
+        )
     sampling = message.sampling
     stopping = message.stopping
     return RequestSpec(
         request_id=message.request_id,
         model=message.model,
         prompt=message.prompt if message.HasField("prompt") else None,
-        messages=tuple(ChatTurn(m.role, m.content) for m in message.messages),
+        messages=tuple(
+            ChatTurn(
+                m.role,
+                m.content,
+                tuple(ToolCall(c.id, c.name, c.arguments) for c in m.tool.tool_calls),
+                m.tool.tool_call_id,
+                m.tool.name,
+            )
+            if m.HasField("tool")
+            else ChatTurn(m.role, m.content)
+            for m in message.messages
+        ),
         token_ids=tuple(message.token_ids.ids) if message.HasField("token_ids") else None,
         temperature=sampling.temperature if sampling.HasField("temperature") else None,
         top_k=sampling.top_k,
@@ -63,17 +121,45 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
         logprobs=message.logprobs,
         top_logprobs=message.top_logprobs,
         timeout=_seconds(message.timeout) if message.HasField("timeout") else None,
-        priority=_PRIORITIES.get(message.priority),
+        priority=_PRIORITIES.get(message.priority),  # None: unset, which is DEFAULT
         n=message.n or 1,  # proto3's unset 0 means one completion
         response_format=(
             response_format(message.response_format) if message.HasField("response_format") else None
         ),
+        tools=tuple(
+            ToolDefinition(tool.name, tool.description, tool.parameters or _ANY_OBJECT)
+            for tool in message.tools
+        ),
+        tool_choice=tool_choice(message.tool_choice) if message.HasField("tool_choice") else None,
+        parallel_tool_calls=(
+            message.parallel_tool_calls if message.HasField("parallel_tool_calls") else None
+        ),
     )
 
 
-def idempotency_key(message: pb.GenerateRequest) -> str | None:
-    """The key that makes the request idempotent for its caller; None when it carries none."""
-    return message.idempotency_key or None
+_ANY_OBJECT = '{"type": "object"}'
+_TOOL_CHOICE_MODES = {
+    pb.TOOL_CHOICE_MODE_UNSPECIFIED: ToolChoiceMode.AUTO,
+    pb.TOOL_CHOICE_MODE_AUTO: ToolChoiceMode.AUTO,
+    pb.TOOL_CHOICE_MODE_NONE: ToolChoiceMode.NONE,
+    pb.TOOL_CHOICE_MODE_REQUIRED: ToolChoiceMode.REQUIRED,
+}
+
+
+def tool_choice(message: pb.ToolChoice) -> ToolChoice | None:
+    """The choice asked for; None when neither field is set. Raises GenerationError for a mode
+    this server does not know."""
+    kind = message.WhichOneof("choice")
+    if kind == "name":
+        return ToolChoice(ToolChoiceMode.NAMED, message.name)
+    if kind is None:
+        return None
+    mode = _TOOL_CHOICE_MODES.get(message.mode)
+    if mode is None:
+        raise GenerationError.invalid(
+            FieldViolation("tool_choice.mode", "unknown value; use AUTO, NONE or REQUIRED")
+        )
+    return ToolChoice(mode)
 
 
 def response_format(message: pb.ResponseFormat) -> ResponseFormat | None:
@@ -111,9 +197,13 @@ _REQUEST_PATHS = {
 }
 
 
+_TOOL_TURN_FIELD = re.compile(r"^(messages\[\d+\])\.(tool_calls|tool_call_id|name)")
+"""A message's tool fields, which ChatMessage holds in its `tool` sub-message."""
+
+
 def request_field_path(violation: FieldViolation) -> str:
     """The GenerateRequest path of a violation the engine names in RequestSpec terms."""
-    field = violation.field
+    field = _TOOL_TURN_FIELD.sub(r"\1.tool.\2", violation.field)
     end = min((i for i in (field.find("["), field.find(".")) if i >= 0), default=len(field))
     name, rest = field[:end], field[end:]
     if violation.presence:
@@ -131,12 +221,17 @@ def request_error(error: GenerationError) -> GenerationError:
     )
 
 
-def generate_response(result: GenerationResult, *, include_outputs: bool = True) -> pb.GenerateResponse:
-    """The summary of a finished generation; without outputs for a stream's `completed` event."""
+def generate_response(
+    result: GenerationResult, *, include_outputs: bool = True, tools: ToolOutput | None = None
+) -> pb.GenerateResponse:
+    """The summary of a finished generation; without outputs for a stream's `completed` event,
+    whose chunks carried them (and whose `tools` has read them)."""
+    tools = tools or ToolOutput(None)
+    text, calls = tools.whole(result.text) if include_outputs else ("", tools.calls(0))
     response = pb.GenerateResponse(
         request_id=result.request_id,
         model=result.model,
-        finish_reason=_FINISH_REASONS[result.finish_reason],
+        finish_reason=_finish_reason(result.finish_reason, calls),
         usage=pb.Usage(
             prompt_tokens=result.prompt_tokens,
             completion_tokens=result.completion_tokens,
@@ -147,22 +242,38 @@ def generate_response(result: GenerationResult, *, include_outputs: bool = True)
         timing=timing(result.timing),
     )
     if include_outputs:
-        response.text = result.text
+        response.text = text
         response.token_ids.extend(result.token_ids)
         response.logprobs.extend(token_logprobs(lp) for lp in result.logprobs)
-    response.choices.extend(completion(choice, include_outputs=include_outputs) for choice in result.choices)
+        response.tool_calls.extend(_tool_call(call) for call in calls)
+    response.choices.extend(
+        completion(choice, include_outputs=include_outputs, tools=tools) for choice in result.choices
+    )
     return response
 
 
-def completion(choice: CompletionChoice, *, include_outputs: bool = True) -> pb.Completion:
+def completion(
+    choice: CompletionChoice, *, include_outputs: bool = True, tools: ToolOutput | None = None
+) -> pb.Completion:
     """One of n completions; only its index and finish reason for a stream's `completed` event,
     whose chunks carried the rest."""
-    message = pb.Completion(index=choice.index, finish_reason=_FINISH_REASONS[choice.finish_reason])
+    tools = tools or ToolOutput(None)
+    text, calls = tools.whole(choice.text) if include_outputs else ("", tools.calls(choice.index))
+    message = pb.Completion(index=choice.index, finish_reason=_finish_reason(choice.finish_reason, calls))
     if include_outputs:
-        message.text = choice.text
+        message.text = text
         message.token_ids.extend(choice.token_ids)
         message.logprobs.extend(token_logprobs(lp) for lp in choice.logprobs)
+        message.tool_calls.extend(_tool_call(call) for call in calls)
     return message
+
+
+def _finish_reason(reason: FinishReason, calls: list[ToolCall]) -> pb.FinishReason.ValueType:
+    return pb.FINISH_REASON_TOOL_CALLS if ends_with_calls(reason, calls) else _FINISH_REASONS[reason]
+
+
+def _tool_call(call: ToolCall) -> pb.ToolCall:
+    return pb.ToolCall(id=call.id, name=call.name, arguments=call.arguments)
 
 
 def timing(report: TimingReport) -> pb.Timing:
@@ -191,22 +302,40 @@ def token_logprobs(item: TokenLogprobs) -> pb.TokenLogprob:
     )
 
 
-def stream_event(request_id: str, event: EngineEvent) -> pb.StreamGenerateResponse:
-    """A stream message for an engine event (Failed events go through api.errors instead)."""
+def stream_messages(
+    request_id: str, event: EngineEvent, tools: ToolOutput | None = None
+) -> list[pb.StreamGenerateResponse]:
+    """The stream messages of an engine event (Failed events go through api.errors instead):
+    one, and before a `completed` event the chunks of what `tools` held back."""
+    tools = tools or ToolOutput(None)
     message = pb.StreamGenerateResponse(request_id=request_id)
     if isinstance(event, TokensGenerated):
-        message.chunk.text = event.text
+        text, deltas = tools.chunk(event.index, event.text)
+        message.chunk.text = text
         message.chunk.token_ids.extend(event.token_ids)
         message.chunk.logprobs.extend(token_logprobs(lp) for lp in event.logprobs)
         message.chunk.index = event.index
+        message.chunk.tool_calls.extend(_tool_call_delta(delta) for delta in deltas)
     elif isinstance(event, Started):
         message.started.queued.CopyFrom(duration(event.queued_seconds))
         message.started.prompt_tokens = event.prompt_tokens
     elif isinstance(event, Completed):
-        message.completed.CopyFrom(generate_response(event.result, include_outputs=False))
+        held = []
+        for index in [choice.index for choice in event.result.choices] or [0]:
+            text, deltas = tools.finish(index)
+            if text or deltas:
+                chunk = pb.TokenChunk(index=index, text=text)
+                chunk.tool_calls.extend(_tool_call_delta(delta) for delta in deltas)
+                held.append(pb.StreamGenerateResponse(request_id=request_id, chunk=chunk))
+        message.completed.CopyFrom(generate_response(event.result, include_outputs=False, tools=tools))
+        return [*held, message]
     elif isinstance(event, Failed):  # pragma: no cover - callers route failures to errors.py
         raise TypeError("failures are converted by tokenwire.server.api.errors")
-    return message
+    return [message]
+
+
+def _tool_call_delta(delta: CallDelta) -> pb.ToolCallDelta:
+    return pb.ToolCallDelta(index=delta.index, id=delta.id, name=delta.name, arguments=delta.arguments)
 
 
 def queued_event(request_id: str, position: int) -> pb.StreamGenerateResponse:

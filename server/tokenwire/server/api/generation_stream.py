@@ -22,6 +22,7 @@ from tokenwire.server.api.admission import Admission, Admitted
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.outbox import Outbox
 from tokenwire.server.api.stream import coalesce_chunks
+from tokenwire.server.api.tool_output import ToolOutput
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
 from tokenwire.server.metadata import Metadata
@@ -42,6 +43,7 @@ class GenerationStream:
         self._outbox = Outbox(unsent_bytes, time.monotonic)
         self._request_id = ""
         self._admitted: Admitted | None = None
+        self._tools = ToolOutput(None)
         self._completed = False
         self._ending: GenerationError | None = None
         """Why the call ends with an error: the generation failed, or its client stopped reading."""
@@ -64,7 +66,7 @@ class GenerationStream:
         admitted = await self._admission.admit(
             METHOD,
             metadata,
-            request,
+            convert.admission_input(request),
             received=received,
             call_deadline=call_deadline,
             on_event=self._deliver,
@@ -72,6 +74,7 @@ class GenerationStream:
         # No event can have arrived yet: the engine's come through the event loop, and a joined
         # generation's catch-up on its next turn (GenerationRegistry.attach), so `queued` is first.
         self._admitted = admitted
+        self._tools = ToolOutput(admitted.tool_calling)
         self._request_id = admitted.request_id
         self._outbox.put(convert.queued_event(admitted.request_id, admitted.queue_position))
         try:
@@ -104,8 +107,10 @@ class GenerationStream:
             return
         if isinstance(event, Completed):
             self._completed = True
-        if not self._outbox.put(convert.stream_event(self._request_id, event)):
-            self._stop_backlogged()
+        for message in convert.stream_messages(self._request_id, event, self._tools):
+            if not self._outbox.put(message):
+                self._stop_backlogged()
+                return
 
     def _stop_backlogged(self) -> None:
         """The client left so much output unread that the generation stops now (its slot and

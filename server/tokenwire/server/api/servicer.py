@@ -14,14 +14,10 @@ from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.generation_stream import GenerationStream
 from tokenwire.server.api.registry import ModelRegistry
-from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.api.stream import StreamCaps, StreamSession
+from tokenwire.server.api.tool_output import ToolOutput
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.types import AbortReason, Completed, EngineEvent, Failed
-from tokenwire.server.engine.validation import RequestLimits
-from tokenwire.server.lifecycle import Lifecycle
-from tokenwire.server.security.callers import CallerDirectory
-from tokenwire.server.security.gateway_headers import GatewayHeaders
 from tokenwire.server.telemetry.requests import RequestTelemetry
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
@@ -38,34 +34,18 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
     def __init__(
         self,
         registry: ModelRegistry,
-        lifecycle: Lifecycle,
+        admission: Admission,
+        telemetry: RequestTelemetry,
         *,
         clock: Callable[[], float] = time.monotonic,
-        telemetry: RequestTelemetry | None = None,
-        callers: CallerDirectory | None = None,
-        limits: RequestLimits | None = None,
         stream_caps: StreamCaps | None = None,
-        generations: GenerationRegistry | None = None,
-        gateway: GatewayHeaders | None = None,
     ) -> None:
+        """`admission` is the server's one admission, which the HTTP edge shares."""
         self._registry = registry
-        self._lifecycle = lifecycle
         self._clock = clock
-        self._telemetry = telemetry or RequestTelemetry(clock=clock)
-        self._admission = Admission(
-            registry,
-            lifecycle,
-            self._telemetry,
-            callers or CallerDirectory(),
-            limits,
-            generations,
-            gateway,
-        )
+        self._telemetry = telemetry
+        self._admission = admission
         self._caps = stream_caps or StreamCaps()
-
-    def close(self) -> None:
-        """Let the validation workers go (the server has stopped taking calls)."""
-        self._admission.close()
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
         received = self._clock()
@@ -79,7 +59,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
             admitted = await self._admission.admit(
                 "Generate",
                 context.invocation_metadata(),
-                request,
+                convert.admission_input(request),
                 received=received,
                 call_deadline=_call_deadline(context, received),
                 on_event=collect,
@@ -96,7 +76,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         if isinstance(event, Failed):
             await errors.abort(context, event.error)
         assert isinstance(event, Completed)
-        return convert.generate_response(event.result)
+        return convert.generate_response(event.result, tools=ToolOutput(admitted.tool_calling))
 
     async def StreamGenerate(  # noqa: N802
         self, request_iterator: AsyncIterator[pb.StreamGenerateRequest], context: Context

@@ -34,6 +34,7 @@ from tokenwire.server.api.admission import Admission, Admitted
 from tokenwire.server.api.decoding import UndecodableRequest
 from tokenwire.server.api.errors import status_proto
 from tokenwire.server.api.outbox import Outbox
+from tokenwire.server.api.tool_output import ToolOutput
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.engine.types import (
     MAX_COMPLETIONS,
@@ -79,6 +80,8 @@ class StreamSession:
         self._caps = caps or StreamCaps()
         self._outbox = Outbox(self._caps.unsent_bytes, clock)
         self._live: dict[str, Admitted] = {}
+        self._tool_outputs: dict[str, ToolOutput] = {}
+        """Per live request, its output read for tool calls."""
         self._started: set[str] = set()
         self._completions: dict[str, int] = {}
         """Each live request's n: it holds as many generations and queue places as completions."""
@@ -146,14 +149,16 @@ class StreamSession:
         completions = min(max(message.n, 1), MAX_COMPLETIONS)  # validation refuses a bad n after
         over = self._over_limit(completions)
         if over is not None:
-            self._admission.refuse("StreamGenerate", self._metadata, message, over, received=received)
+            self._admission.refuse(
+                "StreamGenerate", self._metadata, convert.request_sizes(message), over, received=received
+            )
             self._send(_error_event(request_id, over))
             return
         try:
             admitted = await self._admission.admit(
                 "StreamGenerate",
                 self._metadata,
-                message,
+                convert.admission_input(message),
                 received=received,
                 call_deadline=self._call_deadline,
                 on_event=lambda event: self._deliver(request_id, event),
@@ -166,6 +171,7 @@ class StreamSession:
             admitted.stop(AbortReason.DISCONNECTED)
             return
         self._live[request_id] = admitted
+        self._tool_outputs[request_id] = ToolOutput(admitted.tool_calling)
         self._completions[request_id] = completions
         self._send(convert.queued_event(request_id, admitted.queue_position))
 
@@ -210,12 +216,15 @@ class StreamSession:
             self._forget(request_id)
             self._send(_error_event(request_id, event.error))
             return
+        tools = self._tool_outputs.get(request_id)
         if isinstance(event, Completed):
             self._forget(request_id)
-        self._send(convert.stream_event(request_id, event))
+        for message in convert.stream_messages(request_id, event, tools):
+            self._send(message)
 
     def _forget(self, request_id: str) -> None:
         self._live.pop(request_id, None)
+        self._tool_outputs.pop(request_id, None)
         self._started.discard(request_id)
         self._completions.pop(request_id, None)
 
@@ -299,6 +308,7 @@ class StreamSession:
         for live in self._live.values():
             live.stop(reason)
         self._live.clear()
+        self._tool_outputs.clear()
         self._started.clear()
         self._completions.clear()
 
@@ -326,6 +336,7 @@ def coalesce_chunks(backlog: list[pb.StreamGenerateResponse | None]) -> list[pb.
                 target.chunk.text += message.chunk.text
                 target.chunk.token_ids.extend(message.chunk.token_ids)
                 target.chunk.logprobs.extend(message.chunk.logprobs)
+                target.chunk.tool_calls.extend(message.chunk.tool_calls)
                 continue
             of_request[message.chunk.index] = message
         else:

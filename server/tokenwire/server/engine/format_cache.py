@@ -103,7 +103,8 @@ class FormatCache:
 
 
 def invalid_format(response_format: ResponseFormat, reason: str) -> GenerationError:
-    return GenerationError.invalid(FieldViolation(f"response_format.{response_format.kind.value}", reason))
+    field = response_format.field or f"response_format.{response_format.kind.value}"
+    return GenerationError.invalid(FieldViolation(field, reason))
 
 
 def _expire(future: Future[CompiledFormat], response_format: ResponseFormat, timeout: float) -> None:

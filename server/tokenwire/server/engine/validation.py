@@ -13,15 +13,29 @@ import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import jsonschema
+
 from tokenwire.server.engine.errors import MAX_VIOLATIONS, FieldViolation, GenerationError, excerpt
 from tokenwire.server.engine.types import MAX_COMPLETIONS, GenerationRequest, Priority, StopConditions
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat, SamplingParams
+from tokenwire.server.sampling.tool_grammar import tool_format
 from tokenwire.server.settings_schema import setting
 from tokenwire.server.text.chat import ALLOWED_ROLES, ChatTurn
 from tokenwire.server.text.tokenizer import Tokenizer, TooManyTokensError
+from tokenwire.server.text.tools import (
+    MAX_TOOLS,
+    NAME_PATTERN,
+    ToolCallFormat,
+    ToolCalling,
+    ToolChoice,
+    ToolChoiceMode,
+    ToolDefinition,
+)
 
 MAX_TOP_LOGPROBS = 20
+MAX_TEMPERATURE = 2.0
+"""As OpenAI's API: beyond 2 the distribution is all but uniform."""
 MAX_LOGIT_BIAS = 100.0
 """Largest bias, either way: as OpenAI's, enough to force a token (+100) or ban it (-100)."""
 MAX_PRESENCE_OR_FREQUENCY_PENALTY = 2.0
@@ -94,15 +108,78 @@ class RequestSpec:
     timeout: float | None = None
     """Seconds, from the moment the request was received."""
     response_format: ResponseFormat | None = None
-    priority: Priority | None = Priority.DEFAULT
-    """None: a value this server does not know."""
+    priority: Priority | None = None
+    """None: not set, which is DEFAULT (an edge refuses a value this server does not know)."""
     n: int | None = None
     """Completions to generate; None: one."""
+    tools: tuple[ToolDefinition, ...] = ()
+    """Functions the model may call (a conversation only)."""
+    tool_choice: ToolChoice | None = None
+    """None: AUTO when tools are offered."""
+    parallel_tool_calls: bool | None = None
+    """None: calls in parallel are allowed."""
 
 
-ChatPromptIds = Callable[[Sequence[ChatTurn]], list[int]]
-"""A model's conversation to prompt tokens, through its chat template (which the API edge owns).
-Raises GenerationError naming `messages`, or one message, when the conversation cannot be made."""
+# The size bounds of a request, worded once: the edges check them on the decoded request before
+# converting it (api/request_bounds.py), and the validator again on the converted one. Fields are
+# named as in RequestSpec; each edge renames them into its own terms.
+
+
+def count_violation(field: str, count: int, bound: int, things: str) -> FieldViolation | None:
+    """`count` entries where at most `bound` are allowed."""
+    if count <= bound:
+        return None
+    return FieldViolation(field, f"{count} {things}, more than {bound}")
+
+
+def role_violation(index: int, role: str) -> FieldViolation | None:
+    if role in ALLOWED_ROLES:
+        return None
+    allowed = ", ".join(sorted(ALLOWED_ROLES))
+    return FieldViolation(f"messages[{index}].role", f"unknown role {excerpt(role)!r}; use one of {allowed}")
+
+
+def prompt_length_violation(
+    field: str, length: int, limits: RequestLimits, context_length: int, *, in_all: bool = False
+) -> FieldViolation | None:
+    """A prompt (or all of a conversation's messages) longer than the characters allowed."""
+    max_chars = limits.prompt_chars(context_length)
+    if length <= max_chars:
+        return None
+    where = " in all" if in_all else ""
+    origin = (
+        "--max-prompt-chars"
+        if limits.max_prompt_chars is not None
+        else f"--max-prompt-chars, by default the context length times {PROMPT_CHARS_PER_TOKEN}"
+    )
+    return FieldViolation(field, f"{length} characters{where}, more than {max_chars} ({origin})")
+
+
+def context_violation(
+    field: str, tokens: int, context_length: int, *, at_least: bool = False
+) -> FieldViolation:
+    """A prompt of `tokens` tokens that leaves no room to generate."""
+    count = f"at least {tokens}" if at_least else str(tokens)
+    return FieldViolation(field, f"{count} tokens leave no room in the context of {context_length} tokens")
+
+
+REQUEST_ID_CHARACTERS = "printable ASCII other than space (! to ~)"
+
+
+def identifier_violation(field: str, value: str, max_length: int) -> FieldViolation | None:
+    """An identifier's bounds (request_id, idempotency_key): its length first, its characters
+    only once the length is known to be small."""
+    if len(value) > max_length:
+        return FieldViolation(field, f"{len(value)} characters, more than {max_length}")
+    if not (value.isascii() and all("!" <= c <= "~" for c in value)):
+        return FieldViolation(field, f"{excerpt(ascii(value))}: use only {REQUEST_ID_CHARACTERS}")
+    return None
+
+
+ChatPromptIds = Callable[[Sequence[ChatTurn], Sequence[ToolDefinition]], list[int]]
+"""A model's conversation (and the tools it renders) to prompt tokens, through its chat template
+(which the API edge owns). Raises GenerationError naming `messages`, or one message, when the
+conversation cannot be made."""
 
 
 class RequestValidator:
@@ -114,12 +191,27 @@ class RequestValidator:
         tokenizer: Tokenizer,
         chat: ChatPromptIds | None,
         limits: RequestLimits,
+        tool_format: ToolCallFormat = ToolCallFormat.JSON,
     ) -> None:
-        """chat: the model's conversations to prompt tokens; None: it has no chat template."""
+        """chat: the model's conversations to prompt tokens; None: it has no chat template.
+        tool_format: how the model writes tool calls (its chat template's format)."""
         self._info = info
         self._tokenizer = tokenizer
         self._chat = chat
         self._limits = limits
+        self._tool_format = tool_format
+        self._mistral_marker = (
+            tokenizer.token_to_id("[TOOL_CALLS]") if tool_format is ToolCallFormat.MISTRAL else None
+        )
+
+    def tool_calling(self, spec: RequestSpec) -> ToolCalling | None:
+        """How the output of a valid `spec` is read for tool calls; None: it offers none (or
+        chose none), and its output is all text."""
+        choice = spec.tool_choice or ToolChoice()
+        if not spec.tools or choice.mode is ToolChoiceMode.NONE:
+            return None
+        parallel = True if spec.parallel_tool_calls is None else spec.parallel_tool_calls
+        return ToolCalling(self._tool_format, spec.tools, choice, parallel)
 
     def validate(
         self,
@@ -137,8 +229,7 @@ class RequestValidator:
         violations += self._check_stopping(spec)
         violations += _check_logprobs(spec)
         violations += self._check_response_format(spec)
-        if spec.priority is None:
-            violations.append(FieldViolation("priority", "unknown value; use INTERACTIVE, DEFAULT or BATCH"))
+        violations += self._check_tools(spec)
         if spec.timeout is not None and not (math.isfinite(spec.timeout) and spec.timeout > 0):
             violations.append(FieldViolation("timeout", "must be a positive duration"))
         if spec.n is not None and not 1 <= spec.n <= MAX_COMPLETIONS:
@@ -146,7 +237,11 @@ class RequestValidator:
         if violations:
             raise GenerationError.invalid(*violations)
 
-        prompt_ids = self._prompt_ids(spec)
+        calling = self.tool_calling(spec)
+        response_format = spec.response_format
+        if calling is not None and calling.forced:
+            response_format = tool_format(calling, mistral_marker_id=self._mistral_marker)
+        prompt_ids = self._prompt_ids(spec, () if calling is None else calling.tools)
         max_new_tokens = self._max_new_tokens(spec, len(prompt_ids))
         deadline = call_deadline
         if spec.timeout is not None:
@@ -173,7 +268,7 @@ class RequestValidator:
             logprobs=spec.logprobs,
             top_logprobs=spec.top_logprobs,
             deadline=deadline,
-            response_format=spec.response_format,
+            response_format=response_format,
             priority=spec.priority or Priority.DEFAULT,
             n=1 if spec.n is None else spec.n,
         )
@@ -223,11 +318,74 @@ class RequestValidator:
                     found.append(FieldViolation(field, "must be a JSON object (or true/false)"))
         return found
 
+    def _check_tools(self, spec: RequestSpec) -> list[FieldViolation]:
+        # A tool's schema is bounded as a response format's is: it becomes one when a call is forced.
+        bound = self._limits.max_format_chars
+        too_many = count_violation("tools", len(spec.tools), MAX_TOOLS, "tools")
+        if too_many is not None:
+            return [too_many]
+        found: list[FieldViolation] = []
+        names: set[str] = set()
+        for index, tool in enumerate(spec.tools):
+            where = f"tools[{index}]"
+            if not NAME_PATTERN.fullmatch(tool.name):
+                found.append(
+                    FieldViolation(
+                        f"{where}.name",
+                        f"{excerpt(tool.name)!r} is not a tool name: 1 to 64 letters, digits, '_' or '-'",
+                    )
+                )
+            elif tool.name in names:
+                found.append(FieldViolation(f"{where}.name", f"{tool.name!r} names another tool too"))
+            names.add(tool.name)
+            if len(tool.description) > bound:
+                found.append(FieldViolation(f"{where}.description", f"longer than {bound} characters"))
+            found += _present(_schema_violation(f"{where}.parameters", tool.parameters, bound))
+            if len(found) >= MAX_VIOLATIONS:
+                return found
+        choice = spec.tool_choice or ToolChoice()
+        forced = choice.mode in (ToolChoiceMode.REQUIRED, ToolChoiceMode.NAMED)
+        if forced and not spec.tools:
+            found.append(FieldViolation("tool_choice", f"{choice.mode.value} needs tools to call"))
+        elif choice.mode is ToolChoiceMode.NAMED and choice.name not in names:
+            found.append(
+                FieldViolation(
+                    "tool_choice", f"names {excerpt(choice.name)!r}, which is not one of the tools"
+                )
+            )
+        if forced and spec.tools and spec.response_format is not None:
+            found.append(
+                FieldViolation("response_format", "cannot be combined with a tool_choice that forces a call")
+            )
+        if forced and spec.tools and spec.ignore_eos:
+            found.append(
+                FieldViolation("ignore_eos", "cannot be combined with a tool_choice that forces a call")
+            )
+        if spec.tools and not spec.messages:
+            found.append(FieldViolation("tools", "need messages: the model's chat template renders them"))
+        for index, turn in enumerate(spec.messages[: self._limits.max_messages]):
+            if turn.tool_calls and turn.role != "assistant":
+                found.append(
+                    FieldViolation(f"messages[{index}].tool_calls", "only an assistant message makes calls")
+                )
+            for number, call in enumerate(turn.tool_calls):
+                if not NAME_PATTERN.fullmatch(call.name):
+                    found.append(
+                        FieldViolation(
+                            f"messages[{index}].tool_calls[{number}].name",
+                            f"{excerpt(call.name)!r} is not a tool name",
+                        )
+                    )
+            if len(found) >= MAX_VIOLATIONS:
+                break
+        return found
+
     def _check_logit_bias(self, spec: RequestSpec) -> list[FieldViolation]:
         entries = spec.logit_bias
         bound = self._limits.max_logit_bias_entries
-        if len(entries) > bound:
-            return [FieldViolation("logit_bias", f"{len(entries)} entries, more than {bound}")]
+        too_many = count_violation("logit_bias", len(entries), bound, "entries")
+        if too_many is not None:
+            return [too_many]
         vocab = self._info.vocab_size
         found: list[FieldViolation] = []
         listed: set[int] = set()
@@ -253,11 +411,8 @@ class RequestValidator:
                     "request_id", "required for a request on a stream: choose an id unique in the stream"
                 )
             ]
-        if len(request_id) > self._limits.max_request_id_length:
-            return [
-                FieldViolation("request_id", f"longer than {self._limits.max_request_id_length} characters")
-            ]
-        return []
+        found = identifier_violation("request_id", request_id, self._limits.max_request_id_length)
+        return [] if found is None else [found]
 
     def _check_input(self, spec: RequestSpec) -> list[FieldViolation]:
         given = [
@@ -277,13 +432,13 @@ class RequestValidator:
                 for name in given[1:]
             ]
         limits = self._limits
-        max_chars = limits.prompt_chars(self._info.context_length)
+        context = self._info.context_length
         found: list[FieldViolation] = []
         if spec.prompt is not None:
             if not spec.prompt:
                 found.append(FieldViolation("prompt", "must not be empty"))
-            elif len(spec.prompt) > max_chars:
-                found.append(FieldViolation("prompt", f"longer than {max_chars} characters"))
+            else:
+                found += _present(prompt_length_violation("prompt", len(spec.prompt), limits, context))
         elif spec.messages:
             if self._chat is None:
                 found.append(
@@ -292,34 +447,21 @@ class RequestValidator:
                         f"model {self._info.name!r} has no chat template; send prompt or token_ids",
                     )
                 )
-            if len(spec.messages) > limits.max_messages:
-                found.append(FieldViolation("messages", f"more than {limits.max_messages} messages"))
+            found += _present(
+                count_violation("messages", len(spec.messages), limits.max_messages, "messages")
+            )
             for index, turn in enumerate(spec.messages[: limits.max_messages]):
-                if turn.role not in ALLOWED_ROLES:
-                    allowed = ", ".join(sorted(ALLOWED_ROLES))
-                    found.append(
-                        FieldViolation(
-                            f"messages[{index}].role",
-                            f"unknown role {excerpt(turn.role)!r}; use one of {allowed}",
-                        )
-                    )
-                    if len(found) >= MAX_VIOLATIONS:
-                        break
+                found += _present(role_violation(index, turn.role))
+                if len(found) >= MAX_VIOLATIONS:
+                    break
             total = sum(len(t.content) for t in spec.messages)
-            if total > max_chars:
-                found.append(FieldViolation("messages", f"longer than {max_chars} characters in all"))
+            found += _present(prompt_length_violation("messages", total, limits, context, in_all=True))
         elif spec.token_ids is not None:
             if not spec.token_ids:
                 found.append(FieldViolation("token_ids", "must not be empty"))
-            if len(spec.token_ids) >= self._info.context_length:
+            if len(spec.token_ids) >= context:
                 # Checked before the ids are looked at: the count alone says they cannot fit.
-                found.append(
-                    FieldViolation(
-                        "token_ids",
-                        f"{len(spec.token_ids)} tokens leave no room in the context of "
-                        f"{self._info.context_length} tokens",
-                    )
-                )
+                found.append(context_violation("token_ids", len(spec.token_ids), context))
                 return found
             vocab = self._info.vocab_size
             bad = next((i for i, t in enumerate(spec.token_ids) if not 0 <= t < vocab), None)
@@ -341,8 +483,9 @@ class RequestValidator:
                     f"must be between 1 and {limits.max_new_tokens_cap}, got {spec.max_new_tokens}",
                 )
             )
-        if len(spec.stop) > limits.max_stop_strings:
-            found.append(FieldViolation("stop", f"at most {limits.max_stop_strings} stop strings"))
+        too_many = count_violation("stop", len(spec.stop), limits.max_stop_strings, "stop strings")
+        if too_many is not None:
+            found.append(too_many)
             return found
         for index, stop in enumerate(spec.stop[: limits.max_stop_strings]):
             if not stop:
@@ -355,23 +498,19 @@ class RequestValidator:
                 )
         return found
 
-    def _prompt_ids(self, spec: RequestSpec) -> list[int]:
+    def _prompt_ids(self, spec: RequestSpec, tools: Sequence[ToolDefinition]) -> list[int]:
         if spec.token_ids is not None:
             return list(spec.token_ids)
         if spec.messages:
             assert self._chat is not None
-            return self._chat(spec.messages)
+            return self._chat(spec.messages, tools)
         assert spec.prompt is not None
         room = self._info.context_length - 1
         try:
             return self._tokenizer.encode_within(spec.prompt, room)
         except TooManyTokensError as error:
             raise GenerationError.invalid(
-                FieldViolation(
-                    "prompt",
-                    f"at least {error.at_least} tokens leave no room in the context of "
-                    f"{self._info.context_length} tokens",
-                )
+                context_violation("prompt", error.at_least, self._info.context_length, at_least=True)
             ) from None
 
     def _max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
@@ -381,11 +520,7 @@ class RequestValidator:
             raise GenerationError.invalid(FieldViolation(field, "tokenizes to nothing"))
         room = context - prompt_tokens
         if room < 1:
-            raise GenerationError.invalid(
-                FieldViolation(
-                    field, f"{prompt_tokens} tokens leave no room in the context of {context} tokens"
-                )
-            )
+            raise GenerationError.invalid(context_violation(field, prompt_tokens, context))
         if spec.max_new_tokens is None:
             return min(self._limits.default_max_new_tokens, room)
         if spec.max_new_tokens > room:
@@ -399,10 +534,34 @@ class RequestValidator:
         return spec.max_new_tokens
 
 
+def _schema_violation(field: str, source: str, bound: int) -> FieldViolation | None:
+    """A JSON Schema's text: within the bound, an object, and a schema."""
+    if len(source) > bound:
+        return FieldViolation(field, f"longer than {bound} characters")
+    try:
+        schema = json.loads(source)
+    except (ValueError, RecursionError) as error:
+        return FieldViolation(field, f"not JSON: {excerpt(str(error), 120)}")
+    if not isinstance(schema, dict):
+        return FieldViolation(field, "must be a JSON Schema object")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as error:
+        return FieldViolation(field, f"not a JSON Schema: {excerpt(error.message, 120)}")
+    except RecursionError:
+        return FieldViolation(field, "nested too deeply")
+    return None
+
+
+def _present(violation: FieldViolation | None) -> list[FieldViolation]:
+    return [] if violation is None else [violation]
+
+
 def _check_sampling(spec: RequestSpec) -> list[FieldViolation]:
     found: list[FieldViolation] = []
-    if spec.temperature is not None and not (math.isfinite(spec.temperature) and spec.temperature >= 0):
-        found.append(FieldViolation("temperature", "must be a finite number >= 0 (0 means greedy)"))
+    temperature = spec.temperature
+    if temperature is not None and not (math.isfinite(temperature) and 0 <= temperature <= MAX_TEMPERATURE):
+        found.append(FieldViolation("temperature", f"must be in [0, {MAX_TEMPERATURE:g}] (0 means greedy)"))
     if spec.top_k < 0:
         found.append(FieldViolation("top_k", "must be >= 0 (0 disables top-k)"))
     if spec.top_p is not None and not (0 < spec.top_p <= 1):

@@ -34,7 +34,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from tokenwire.server.api.admission import Admission, Admitted, DecodedRequest
+from tokenwire.server.api.admission import Admission, Admitted
 from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError, excerpt
 from tokenwire.server.engine.types import (
@@ -49,7 +49,13 @@ from tokenwire.server.openai_api import responses
 from tokenwire.server.openai_api.endings import RequestEnding
 from tokenwire.server.openai_api.errors import HttpResponse, error_object, http_error
 from tokenwire.server.openai_api.http_protocol import REFUSAL_STATE
-from tokenwire.server.openai_api.parsing import ParseBody, ParsedRequest, parse_chat, parse_completion
+from tokenwire.server.openai_api.parsing import (
+    IGNORED_HEADER,
+    ParseBody,
+    ParsedRequest,
+    parse_chat,
+    parse_completion,
+)
 from tokenwire.server.security.auth import BearerTokenInterceptor
 from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.requests import RequestTelemetry
@@ -259,7 +265,7 @@ class OpenAIApp:
             admitted = await self._admission.admit(
                 route.operation,
                 metadata,
-                DecodedRequest(parsed.spec, parsed.name_fields),
+                parsed.admission_input(),
                 received=received,
                 call_deadline=None,
                 on_event=events.put_nowait,
@@ -272,7 +278,14 @@ class OpenAIApp:
         watcher = asyncio.create_task(_watch_disconnect(receive, admitted, events))
         try:
             model = admitted_model(parsed, self._registry)
-            identity = responses.Identity(parsed.spec.request_id, int(time.time()), model, parsed.chat)
+            identity = responses.Identity(
+                parsed.spec.request_id,
+                int(time.time()),
+                model,
+                parsed.chat,
+                self._registry.resolve(model).model.tokenizer.token_bytes,
+                admitted.tool_calling,
+            )
             if parsed.stream:
                 await _stream(identity, parsed, events, watcher, send)
             else:
@@ -347,9 +360,8 @@ async def _whole(
             return
         if isinstance(event, Completed):
             watcher.cancel()
-            await _respond(
-                send, _ok(responses.completion(identity, event.result, logprobs=parsed.spec.logprobs))
-            )
+            body = responses.completion(identity, event.result, logprobs=parsed.spec.logprobs)
+            await _respond(send, HttpResponse(200, body, _ignored_header(parsed)))
             return
         if isinstance(event, Failed):
             watcher.cancel()
@@ -385,6 +397,7 @@ async def _stream(
                 (b"content-type", EVENT_STREAM),
                 (b"cache-control", b"no-cache"),
                 (b"x-request-id", identity.id.encode()),
+                *_ignored_header(parsed),
             ],
         }
     )
@@ -412,6 +425,13 @@ async def _stream(
             await send({"type": "http.response.body", "body": data})
             return
         event = await events.get()
+
+
+def _ignored_header(parsed: ParsedRequest) -> tuple[tuple[bytes, bytes], ...]:
+    """Names the parameters of the request that this server accepted and ignored."""
+    if not parsed.ignored:
+        return ()
+    return ((IGNORED_HEADER.encode(), ", ".join(parsed.ignored).encode()),)
 
 
 def _refusal(error: GenerationError) -> HttpResponse:

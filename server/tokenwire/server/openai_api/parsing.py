@@ -3,8 +3,14 @@
 Only shapes and types are checked here: a parameter of the wrong JSON type, a value only
 OpenAI's API has (echo, best_of, suffix other than their defaults), an unknown parameter. Every
 numeric bound, count and length (n, max_tokens, temperature, top_p, top_logprobs, messages, stop,
-prompt characters, the schema's size) is the request validator's, the same as for gRPC, named
-back into OpenAI's parameter names by `name_fields`.
+prompt characters, the schema's size, the tools) is the request validator's, the same as for
+gRPC, named back into OpenAI's parameter names by `name_fields`.
+
+Every parameter OpenAI's API defines is accepted. Those tokenwire serves act (CHAT_SERVED,
+COMPLETION_SERVED, and vLLM's extensions top_k, min_p and repetition_penalty); the others change
+nothing (IGNORED: OpenAI's storage, routing and caching hints, reasoning and audio options, the
+deprecated `functions`), and a response to a request that set any of them names them in its
+IGNORED_HEADER. A parameter OpenAI's API does not define is a 400 naming it.
 
 Parsing a body costs time in proportion to its size: the caller runs it on a worker thread
 beyond a small body (app.py).
@@ -14,22 +20,29 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from tokenwire.server.api.request_bounds import MAX_MODEL_NAME_CHARACTERS
-from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError, excerpt
+from tokenwire.server.api.admission import AdmissionInput
+from tokenwire.server.api.request_bounds import spec_sizes
+from tokenwire.server.engine.errors import FieldViolation, GenerationError, excerpt
 from tokenwire.server.engine.types import Priority
 from tokenwire.server.engine.validation import RequestSpec
 from tokenwire.server.openai_api.json_text import body_text, unicode_violation
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat
 from tokenwire.server.text.chat import ChatTurn
+from tokenwire.server.text.tools import ToolCall, ToolChoice, ToolChoiceMode, ToolDefinition
 
 PRIORITY_HEADER = "x-tokenwire-priority"
 """interactive, default or batch: the engine's priorities (docs/operations.md)."""
 TIMEOUT_HEADER = "x-tokenwire-timeout"
 """Seconds, from the moment the request is received, before it fails with 504."""
+IDEMPOTENCY_HEADER = "idempotency-key"
+"""Makes the request idempotent for its caller, as GenerateRequest.idempotency_key does on gRPC."""
+IGNORED_HEADER = "x-tokenwire-ignored-parameters"
+"""On a response: the parameters of its request that this server accepted and ignored."""
 MAX_USER_CHARACTERS = 256
 MAX_SEED = 2**64 - 1
 """Seeds are unsigned 64-bit, as on gRPC."""
@@ -38,8 +51,6 @@ ROLE_ALIASES = {"developer": "system"}
 
 _PRIORITIES = {"interactive": Priority.INTERACTIVE, "default": Priority.DEFAULT, "batch": Priority.BATCH}
 
-# Parameters a client may send that change nothing here: metadata for OpenAI's own storage.
-_IGNORED = frozenset({"metadata", "store", "service_tier", "user", "parallel_tool_calls"})
 _COMMON = frozenset(
     {
         "model",
@@ -54,11 +65,54 @@ _COMMON = frozenset(
         "logit_bias",
         "presence_penalty",
         "frequency_penalty",
-        "response_format",
     }
 )
-CHAT_PARAMETERS = _COMMON | _IGNORED | {"messages", "max_completion_tokens", "logprobs", "top_logprobs"}
-COMPLETION_PARAMETERS = _COMMON | _IGNORED | {"prompt", "logprobs", "echo", "best_of", "suffix"}
+EXTENSIONS = frozenset({"top_k", "min_p", "repetition_penalty"})
+"""Served beyond OpenAI's parameters, as vLLM serves them (the gRPC SamplingParams' fields)."""
+CHAT_SERVED = _COMMON | {
+    "messages",
+    "max_completion_tokens",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+    "tools",
+    "tool_choice",
+    "parallel_tool_calls",
+}
+COMPLETION_SERVED = _COMMON | {"prompt", "logprobs", "echo", "best_of", "suffix", "response_format"}
+"""response_format is an extension on completions, as on vLLM."""
+CHAT_IGNORED = frozenset(
+    {
+        "metadata",
+        "store",
+        "service_tier",
+        "user",
+        "safety_identifier",
+        "prompt_cache_key",
+        "prompt_cache_retention",
+        "reasoning_effort",
+        "verbosity",
+        "modalities",
+        "audio",
+        "prediction",
+        "web_search_options",
+        "functions",
+        "function_call",
+    }
+)
+"""OpenAI's chat parameters that change nothing here (docs/operations.md lists why)."""
+COMPLETION_IGNORED = frozenset({"user"})
+CHAT_PARAMETERS = CHAT_SERVED | CHAT_IGNORED | EXTENSIONS
+COMPLETION_PARAMETERS = COMPLETION_SERVED | COMPLETION_IGNORED | EXTENSIONS
+_STREAM_OPTIONS = frozenset({"include_usage", "include_obfuscation"})
+"""include_obfuscation pads chunks against length side channels on OpenAI's own API; ignored."""
+_TOOL_RENAMES = (
+    (re.compile(r"^tools\[(\d+)\]\.(name|description|parameters)"), r"tools[\1].function.\2"),
+    (
+        re.compile(r"^messages\[(\d+)\]\.tool_calls\[(\d+)\]\.(name|arguments)"),
+        r"messages[\1].tool_calls[\2].function.\3",
+    ),
+)
 
 
 @dataclass(frozen=True)
@@ -69,24 +123,51 @@ class ParsedRequest:
     include_usage: bool = False
     renames: Mapping[str, str] = field(default_factory=dict)
     """RequestSpec field -> the OpenAI parameter (or header) that set it."""
+    idempotency_key: str | None = None
+    """From the Idempotency-Key header; None without one."""
+    ignored: tuple[str, ...] = ()
+    """The parameters the request set that change nothing here, sorted."""
+
+    def admission_input(self) -> AdmissionInput:
+        """The request as the admission both edges share takes it."""
+        spec = self.spec
+        key = self.idempotency_key
+        return AdmissionInput(spec_sizes(spec, key or ""), lambda: spec, self.name_fields, key)
 
     def name_fields(self, error: GenerationError) -> GenerationError:
-        """`error` from the validator, its violations named by OpenAI parameter."""
-        if error.kind is not ErrorKind.INVALID_ARGUMENT or not error.violations or error.reason is not None:
+        """`error` from admission, its violations named by OpenAI parameter (or header)."""
+        if not error.violations:
             return error
+        if error.reason is not None:  # a reasoned refusal keeps its message; its field is renamed
+            return GenerationError(
+                error.kind,
+                error.message,
+                violations=tuple(
+                    FieldViolation(self._rename(v.field), v.description) for v in error.violations
+                ),
+                retry_after=error.retry_after,
+                reason=error.reason,
+                omitted_violations=error.omitted_violations,
+            )
         return GenerationError.invalid(
             *(FieldViolation(self._rename(v.field), v.description) for v in error.violations),
             omitted=error.omitted_violations,
         )
 
     def _rename(self, name: str) -> str:
+        for pattern, replacement in _TOOL_RENAMES:
+            path, count = pattern.subn(replacement, name)
+            if count:
+                return path
         end = min((i for i in (name.find("["), name.find(".")) if i >= 0), default=len(name))
         head, rest = name[:end], name[end:]
         renamed = self.renames.get(head)
         if renamed is None:
             return name
         if head == "response_format":
-            return renamed  # the schema's own path, whatever the kind's name in the engine
+            # The schema's own path, whatever the kind's name in the engine; the whole parameter
+            # (combined with something it cannot be) is itself.
+            return renamed if rest else head
         return renamed + rest
 
 
@@ -117,6 +198,7 @@ def parse_chat(body: bytes, headers: Mapping[str, str], request_id: str) -> Pars
     fields = decode_json(body)
     _refuse_unknown(fields, CHAT_PARAMETERS)
     messages = _messages(fields.get("messages"))
+    tools = _tools(fields.get("tools"))
     logprobs = _optional(fields, "logprobs", bool) or False
     top_logprobs = _optional(fields, "top_logprobs", int) or 0
     max_tokens, max_name = _max_tokens(fields, ("max_completion_tokens", "max_tokens"))
@@ -127,9 +209,16 @@ def parse_chat(body: bytes, headers: Mapping[str, str], request_id: str) -> Pars
         max_new_tokens=max_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
+        tools=tools,
+        tool_choice=_tool_choice(fields.get("tool_choice")),
+        parallel_tool_calls=_optional(fields, "parallel_tool_calls", bool),
     )
-    renames = {"max_new_tokens": max_name, "top_logprobs": "top_logprobs", "logprobs": "logprobs"}
-    return _finish(fields, headers, spec, renames, chat=True)
+    renames = {
+        "max_new_tokens": max_name,
+        "top_logprobs": "top_logprobs",
+        "logprobs": "logprobs",
+    }
+    return _finish(fields, headers, spec, renames, chat=True, ignored=CHAT_IGNORED)
 
 
 def parse_completion(body: bytes, headers: Mapping[str, str], request_id: str) -> ParsedRequest:
@@ -158,7 +247,7 @@ def parse_completion(body: bytes, headers: Mapping[str, str], request_id: str) -
         top_logprobs=top or 0,
     )
     renames = {"max_new_tokens": max_name, "top_logprobs": "logprobs", "token_ids": "prompt"}
-    return _finish(fields, headers, spec, renames, chat=False)
+    return _finish(fields, headers, spec, renames, chat=False, ignored=COMPLETION_IGNORED)
 
 
 def _logit_bias(value: object) -> tuple[tuple[int, float], ...]:
@@ -188,6 +277,7 @@ def _finish(
     renames: dict[str, str],
     *,
     chat: bool,
+    ignored: frozenset[str],
 ) -> ParsedRequest:
     stream = _optional(fields, "stream", bool) or False
     include_usage = False
@@ -197,7 +287,7 @@ def _finish(
             raise bad("stream_options", "only allowed when stream is true")
         if not isinstance(options, dict):
             raise bad("stream_options", "must be an object")
-        unknown = sorted(set(options) - {"include_usage"})
+        unknown = sorted(set(options) - _STREAM_OPTIONS)
         if unknown:
             raise bad(f"stream_options.{excerpt(unknown[0])}", "unknown option")
         include_usage = _optional(options, "include_usage", bool, prefix="stream_options.") or False
@@ -212,6 +302,9 @@ def _finish(
         temperature=_optional_number(fields, "temperature"),
         top_p=_optional_number(fields, "top_p"),
         seed=seed,
+        top_k=_top_k(fields),
+        min_p=_optional_number(fields, "min_p") or 0.0,
+        repetition_penalty=_optional_number(fields, "repetition_penalty"),
         stop=_stop(fields.get("stop")),
         response_format=_response_format(fields.get("response_format")),
         priority=_priority(headers.get(PRIORITY_HEADER)),
@@ -225,9 +318,12 @@ def _finish(
         **renames,
         "priority": PRIORITY_HEADER,
         "timeout": TIMEOUT_HEADER,
+        "idempotency_key": IDEMPOTENCY_HEADER,
         "response_format": "response_format.json_schema.schema",
     }
-    return ParsedRequest(spec, chat, stream, include_usage, renames)
+    set_but_ignored = tuple(sorted(name for name in ignored if fields.get(name) is not None))
+    key = headers.get(IDEMPOTENCY_HEADER)
+    return ParsedRequest(spec, chat, stream, include_usage, renames, key or None, set_but_ignored)
 
 
 def _refuse_unknown(fields: Mapping[str, Any], known: frozenset[str]) -> None:
@@ -242,9 +338,7 @@ def _model(fields: Mapping[str, Any]) -> str:
         return ""
     if not isinstance(model, str):
         raise bad("model", "must be a string")
-    if len(model) > MAX_MODEL_NAME_CHARACTERS:
-        raise bad("model", f"{len(model)} characters: no model has such a name")
-    return model
+    return model  # its length is admission's bound (request_bounds.py)
 
 
 def _messages(value: Any) -> tuple[ChatTurn, ...]:
@@ -260,11 +354,107 @@ def _messages(value: Any) -> tuple[ChatTurn, ...]:
         role = message.get("role")
         if not isinstance(role, str):
             raise bad(f"{where}.role", "must be a string")
-        for name in ("tool_calls", "function_call", "audio"):
-            if message.get(name) is not None:
-                raise bad(f"{where}.{name}", "not served: tools and audio are not supported")
-        turns.append(ChatTurn(ROLE_ALIASES.get(role, role), _content(message.get("content"), where)))
+        calls = _message_tool_calls(message.get("tool_calls"), where)
+        content = message.get("content")
+        turns.append(
+            ChatTurn(
+                ROLE_ALIASES.get(role, role),
+                "" if content is None and (calls or role == "assistant") else _content(content, where),
+                calls,
+                _optional_string(message, "tool_call_id", where),
+                _optional_string(message, "name", where),
+            )
+        )
     return tuple(turns)
+
+
+def _optional_string(message: Mapping[str, Any], name: str, where: str) -> str:
+    value = message.get(name)
+    if value is None:
+        return ""
+    if not isinstance(value, str):
+        raise bad(f"{where}.{name}", "must be a string")
+    return value
+
+
+def _message_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
+    """An assistant message's earlier calls: [{id, type: function, function: {name, arguments}}]."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad(f"{where}.tool_calls", "must be a list of calls")
+    calls = []
+    for index, call in enumerate(value):
+        at = f"{where}.tool_calls[{index}]"
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict):
+            raise bad(at, 'must be {"id", "type": "function", "function": {"name", "arguments"}}')
+        if call.get("type", "function") != "function":
+            raise bad(f"{at}.type", "only function calls are served")
+        name, arguments = function.get("name"), function.get("arguments", "{}")
+        if not isinstance(name, str):
+            raise bad(f"{at}.function.name", "must be a string")
+        if not isinstance(arguments, str):
+            raise bad(f"{at}.function.arguments", "must be the arguments as JSON text")
+        calls.append(ToolCall(_optional_string(call, "id", at), name, arguments))
+    return tuple(calls)
+
+
+def _tools(value: Any) -> tuple[ToolDefinition, ...]:
+    """OpenAI's tools: [{"type": "function", "function": {name, description, parameters}}]."""
+    if value is None:
+        return ()
+    if not isinstance(value, list):
+        raise bad("tools", "must be a list of tools")
+    tools = []
+    for index, tool in enumerate(value):
+        at = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise bad(at, 'must be {"type": "function", "function": {...}}')
+        if tool.get("type") != "function":
+            raise bad(f"{at}.type", "only function tools are served")
+        function = tool.get("function")
+        if not isinstance(function, dict):
+            raise bad(f"{at}.function", "must be an object with a name")
+        name = function.get("name")
+        description = function.get("description") or ""
+        if not isinstance(name, str):
+            raise bad(f"{at}.function.name", "must be a string")
+        if not isinstance(description, str):
+            raise bad(f"{at}.function.description", "must be a string")
+        parameters = function.get("parameters")
+        if parameters is None:
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise bad(f"{at}.function.parameters", "must be a JSON Schema object")
+        tools.append(ToolDefinition(name, description, json.dumps(parameters)))
+    return tuple(tools)
+
+
+_TOOL_CHOICES = {
+    mode.value: mode for mode in (ToolChoiceMode.AUTO, ToolChoiceMode.NONE, ToolChoiceMode.REQUIRED)
+}
+
+
+def _tool_choice(value: Any) -> ToolChoice | None:
+    if value is None:
+        return None
+    if isinstance(value, str) and value in _TOOL_CHOICES:
+        return ToolChoice(_TOOL_CHOICES[value])
+    function = value.get("function") if isinstance(value, dict) else None
+    if isinstance(value, dict) and value.get("type") == "function" and isinstance(function, dict):
+        name = function.get("name")
+        if isinstance(name, str):
+            return ToolChoice(ToolChoiceMode.NAMED, name)
+    raise bad(
+        "tool_choice", 'must be "none", "auto", "required" or {"type": "function", "function": {"name"}}'
+    )
+
+
+def _top_k(fields: Mapping[str, Any]) -> int:
+    """vLLM's top_k: -1 (or 0, or unset) keeps every token."""
+    value = _optional(fields, "top_k", int)
+    return 0 if value is None or value == -1 else int(value)
 
 
 def _content(value: Any, where: str) -> str:
@@ -337,9 +527,13 @@ def _response_format(value: Any) -> ResponseFormat | None:
 
 
 def _priority(value: str | None) -> Priority | None:
+    """The priority header's; None when the request has none (the gateway's objective may set it)."""
     if value is None:
-        return Priority.DEFAULT
-    return _PRIORITIES.get(value.strip().lower())  # None: the validator names the header
+        return None
+    found = _PRIORITIES.get(value.strip().lower())
+    if found is None:
+        raise bad(PRIORITY_HEADER, "unknown value; use interactive, default or batch")
+    return found
 
 
 def _timeout(value: str | None) -> float | None:

@@ -8,12 +8,23 @@ timing as an extension member, all in seconds from the moment the request was re
 
 A stage the request never reached is null. OpenAI's SDKs keep unknown members, so a client
 reads it as `completion.tokenwire` (Python) or `completion["tokenwire"]` (Node).
+
+Every object follows OpenAI's published OpenAPI document (tests/support/openapi checks each one):
+no `system_fingerprint` (a string there, and tokenwire has none to give), `refusal` null on chat
+messages and their logprobs, and each logprob's `bytes` the token's own bytes (a token holding
+part of a multi-byte character has that part). One departure, OpenAI's own: a completions
+stream's chunks before the last carry `finish_reason: null`, as OpenAI's API streams them; the
+document describes no completions stream (its CreateCompletionResponse has no null there).
+
+A request with tools has its output read by text/tool_calls.py: the calls go out as
+`tool_calls` (streamed as argument deltas), the rest as content, and a completion that ended by
+itself with calls has finish reason `tool_calls`.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from tokenwire.server.engine.types import (
@@ -23,6 +34,8 @@ from tokenwire.server.engine.types import (
     TimingReport,
     TokenLogprobs,
 )
+from tokenwire.server.text.tool_calls import ContentDelta, ReaderDelta, ToolCallReader
+from tokenwire.server.text.tools import ToolCall, ToolCalling
 
 EXTENSION = "tokenwire"
 DONE = b"data: [DONE]\n\n"
@@ -37,12 +50,23 @@ _FINISH_REASONS = {
 
 @dataclass(frozen=True)
 class Identity:
-    """What every object of one response repeats."""
+    """What every object of one response repeats, and what its outputs are read with."""
 
     id: str
     created: int
     model: str
     chat: bool
+    token_bytes: Callable[[int], bytes] = lambda token_id: b""
+    """The served model's bytes of a token (text/tokenizer.py)."""
+    tool_calling: ToolCalling | None = None
+    """The request's tools, when its output is read for calls."""
+
+
+def finish_reason(reason: FinishReason, calls: Sequence[ToolCall]) -> str:
+    """OpenAI's finish reason: `tool_calls` for an output that ended by itself with calls."""
+    if calls and reason in (FinishReason.EOS, FinishReason.STOP):
+        return "tool_calls"
+    return _FINISH_REASONS[reason]
 
 
 def timing(report: TimingReport) -> dict[str, object]:
@@ -80,13 +104,27 @@ def completion(identity: Identity, result: GenerationResult, *, logprobs: bool) 
     )
     choices: list[dict[str, object]] = []
     for completed in completions:
+        calls: list[ToolCall] = []
+        content = completed.text
+        if identity.tool_calling is not None:
+            reader = ToolCallReader(identity.tool_calling)
+            reader.feed(completed.text)
+            reader.finish()
+            content, calls = reader.content, reader.calls
         choice: dict[str, object] = {
             "index": completed.index,
-            "finish_reason": _FINISH_REASONS[completed.finish_reason],
+            "finish_reason": finish_reason(completed.finish_reason, calls),
         }
         if identity.chat:
-            choice["message"] = {"role": "assistant", "content": completed.text}
-            choice["logprobs"] = chat_logprobs(completed.logprobs) if logprobs else None
+            message: dict[str, object] = {
+                "role": "assistant",
+                "content": content if content or not calls else None,
+                "refusal": None,
+            }
+            if calls:
+                message["tool_calls"] = [_tool_call(call) for call in calls]
+            choice["message"] = message
+            choice["logprobs"] = chat_logprobs(completed.logprobs, identity.token_bytes) if logprobs else None
         else:
             choice["text"] = completed.text
             choice["logprobs"] = completion_logprobs(completed.logprobs, 0) if logprobs else None
@@ -117,6 +155,7 @@ class ChunkWriter:
         self._completions = completions
         self._text_offsets: dict[int, int] = {}
         """Per completion, how much text its chunks have carried (the legacy logprobs' offsets)."""
+        self._readers: dict[int, ToolCallReader] = {}
 
     def opening(self) -> bytes:
         """Chat's first chunk of each completion names the role; completions have none."""
@@ -130,9 +169,15 @@ class ChunkWriter:
     def tokens(self, text: str, logprobs: Sequence[TokenLogprobs], index: int = 0) -> bytes:
         if not text and not logprobs:
             return b""
+        if self._identity.chat and self._identity.tool_calling is not None:
+            deltas = self._reader(index).feed(text) if text else []
+            return self._deltas(index, deltas, logprobs)
         if self._identity.chat:
             choice = self._choice(
-                index, {"content": text}, chat_logprobs(logprobs) if self._logprobs else None, None
+                index,
+                {"content": text},
+                chat_logprobs(logprobs, self._identity.token_bytes) if self._logprobs else None,
+                None,
             )
         else:
             offset = self._text_offsets.get(index, 0)
@@ -153,12 +198,40 @@ class ChunkWriter:
             (0, result.finish_reason)
         ]
         empty: object = {} if self._identity.chat else ""
-        finishes = [self._choice(index, empty, None, _FINISH_REASONS[reason]) for index, reason in ended]
-        data = b"".join(self._event(finish) for finish in finishes[:-1])
+        data = b""
+        finishes = []
+        for index, reason in ended:
+            calls: list[ToolCall] = []
+            if self._identity.chat and self._identity.tool_calling is not None:
+                reader = self._reader(index)
+                data += self._deltas(index, reader.finish(), ())
+                calls = reader.calls
+            finishes.append(self._choice(index, empty, None, finish_reason(reason, calls)))
+        data += b"".join(self._event(finish) for finish in finishes[:-1])
         if not self._include_usage:
             return data + self._event(finishes[-1], extension) + DONE
         last = {**_head(self._identity, chunk=True), "choices": [], "usage": usage(result), **extension}
         return data + self._event(finishes[-1]) + self._frame(last) + DONE
+
+    def _reader(self, index: int) -> ToolCallReader:
+        reader = self._readers.get(index)
+        if reader is None:
+            assert self._identity.tool_calling is not None
+            reader = self._readers[index] = ToolCallReader(self._identity.tool_calling)
+        return reader
+
+    def _deltas(self, index: int, deltas: Sequence[ReaderDelta], logprobs: Sequence[TokenLogprobs]) -> bytes:
+        """One chunk per content or call delta; the logprobs of the step on the first (on an
+        empty delta when the step's text is all held back)."""
+        chosen = chat_logprobs(logprobs, self._identity.token_bytes) if self._logprobs and logprobs else None
+        deltas_json: list[dict[str, object]] = [_delta(delta) for delta in deltas]
+        if not deltas_json and chosen is not None:
+            deltas_json = [{}]
+        data = b""
+        for delta in deltas_json:
+            data += self._event(self._choice(index, delta, chosen, None))
+            chosen = None
+        return data
 
     def _choice(self, index: int, delta: object, logprobs: object, finish: str | None) -> dict[str, object]:
         choice: dict[str, object] = {"index": index}
@@ -172,8 +245,8 @@ class ChunkWriter:
 
     def _event(self, choice: dict[str, object], extra: dict[str, object] | None = None) -> bytes:
         body: dict[str, object] = {**_head(self._identity, chunk=True), "choices": [choice]}
-        if self._include_usage:
-            body["usage"] = None
+        if self._include_usage and self._identity.chat:
+            body["usage"] = None  # OpenAI's chat chunks say so; completions chunks have no null usage
         if extra:
             body.update(extra)
         return self._frame(body)
@@ -188,21 +261,38 @@ def error_event(error: dict[str, object]) -> bytes:
     return b"data: " + json.dumps({"error": error}).encode() + b"\n\n"
 
 
-def chat_logprobs(items: Sequence[TokenLogprobs]) -> dict[str, object]:
+def chat_logprobs(items: Sequence[TokenLogprobs], token_bytes: Callable[[int], bytes]) -> dict[str, object]:
     return {
         "content": [
             {
                 "token": item.token,
                 "logprob": item.logprob,
-                "bytes": list(item.token.encode()),
+                "bytes": list(token_bytes(item.token_id)),
                 "top_logprobs": [
-                    {"token": text, "logprob": logprob, "bytes": list(text.encode())}
-                    for _, text, logprob in item.top
+                    {"token": text, "logprob": logprob, "bytes": list(token_bytes(token_id))}
+                    for token_id, text, logprob in item.top
                 ],
             }
             for item in items
-        ]
+        ],
+        "refusal": None,
     }
+
+
+def _tool_call(call: ToolCall) -> dict[str, object]:
+    return {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def _delta(delta: ReaderDelta) -> dict[str, object]:
+    if isinstance(delta, ContentDelta):
+        return {"content": delta.text}
+    call: dict[str, object] = {"index": delta.index}
+    function: dict[str, object] = {"arguments": delta.arguments}
+    if delta.id:
+        call.update(id=delta.id, type="function")
+        function["name"] = delta.name
+    call["function"] = function
+    return {"tool_calls": [call]}
 
 
 def completion_logprobs(items: Sequence[TokenLogprobs], offset: int) -> dict[str, object]:
@@ -233,10 +323,4 @@ def model_json(name: str, created: int) -> bytes:
 
 def _head(identity: Identity, *, chunk: bool) -> dict[str, object]:
     kind = ("chat.completion.chunk" if chunk else "chat.completion") if identity.chat else "text_completion"
-    return {
-        "id": identity.id,
-        "object": kind,
-        "created": identity.created,
-        "model": identity.model,
-        "system_fingerprint": None,
-    }
+    return {"id": identity.id, "object": kind, "created": identity.created, "model": identity.model}

@@ -58,3 +58,5 @@ class ResponseFormat:
     kind: FormatKind
     source: str = ""
     choices: tuple[str, ...] = ()
+    field: str = ""
+    """The request field the format came from, which its errors name; empty: response_format."""

@@ -18,9 +18,12 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 
-from tokenwire.server.text.chat import ChatTemplate, ChatTurn
+from tokenwire.server.text.chat import ChatTemplate, ChatTemplateError, ChatTemplateLimitError, ChatTurn
 from tokenwire.server.text.tokenizer import Tokenizer, TooManyTokensError
+from tokenwire.server.text.tool_prompt import plain_turns
+from tokenwire.server.text.tools import ToolDefinition
 
 
 class ControlTokenInContentError(ValueError):
@@ -39,6 +42,7 @@ def conversation_ids(
     *,
     control_tokens_in_content: bool = False,
     max_tokens: int | None = None,
+    tools: Sequence[ToolDefinition] = (),
 ) -> list[int]:
     """Prompt tokens of `turns` with the generation prompt added.
 
@@ -48,7 +52,7 @@ def conversation_ids(
     its limit subclass) from rendering, ControlTokenInContentError as above.
     """
     budget = _Budget(max_tokens)
-    rendered = template.render(turns, add_generation_prompt=True)
+    turns, rendered = _render(template, turns, tools)
     # The template already wrote any BOS markup; don't let the tokenizer add it twice.
     specials = tokenizer.special_tokens
     if control_tokens_in_content or not specials:
@@ -56,8 +60,9 @@ def conversation_ids(
     nonce = secrets.token_hex(8)
     markers = [f"\ue000{nonce}:{index}\ue001" for index in range(len(turns))]
     layout = template.render(
-        [ChatTurn(turn.role, marker) for turn, marker in zip(turns, markers, strict=True)],
+        [replace(turn, content=marker) for turn, marker in zip(turns, markers, strict=True)],
         add_generation_prompt=True,
+        tools=tools if template.renders_tools else (),
     )
     pieces = _split_at_markers(layout, markers)
     if pieces is None or _join(pieces, turns) != rendered:
@@ -67,6 +72,28 @@ def conversation_ids(
                 raise ControlTokenInContentError(index, found)
         return budget.encode(tokenizer, rendered, as_text=False)
     return _tokenize(pieces, turns, tokenizer, budget)
+
+
+def _render(
+    template: ChatTemplate, turns: Sequence[ChatTurn], tools: Sequence[ToolDefinition]
+) -> tuple[Sequence[ChatTurn], str]:
+    """The turns as rendered, and their rendering: with the tools for a template that renders
+    them; otherwise rewritten with tokenwire's tool instructions (in the system turn, or in the
+    first user turn for a template that refuses a system turn)."""
+    if template.renders_tools:
+        return turns, template.render(turns, add_generation_prompt=True, tools=tools)
+    if not tools and not any(turn.tool_calls or turn.role == "tool" for turn in turns):
+        return turns, template.render(turns, add_generation_prompt=True)
+    plain = plain_turns(turns, tools)
+    try:
+        return plain, template.render(plain, add_generation_prompt=True)
+    except ChatTemplateLimitError:
+        raise
+    except ChatTemplateError:
+        if not tools or turns[0].role == "system":
+            raise
+        plain = plain_turns(turns, tools, system_turn=False)
+        return plain, template.render(plain, add_generation_prompt=True)
 
 
 def _split_at_markers(layout: str, markers: list[str]) -> list[tuple[str, int | None]] | None:

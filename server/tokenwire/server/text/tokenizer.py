@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -42,6 +43,8 @@ class Tokenizer:
             )
         )
         """The text of every special (control) token, longest first."""
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        self._byte_level = '"ByteLevel"' in json.dumps(json.loads(backend.to_str()).get("decoder"))
 
     @classmethod
     def from_file(cls, path: Path) -> Tokenizer:
@@ -92,9 +95,44 @@ class Tokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for on its own: for a byte-level or byte-fallback token
+        that holds part of a character, that part (where decoding it alone gives U+FFFD)."""
+        piece = self._backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._added_ids:
+            return str(piece).encode()
+        if self._byte_level:
+            try:
+                return bytes(_BYTE_OF_CHARACTER[char] for char in piece)
+            except KeyError:
+                return str(piece).encode()
+        fallback = _BYTE_PIECE.fullmatch(piece)
+        if fallback is not None:
+            return bytes([int(fallback.group(1), 16)])
+        return str(piece).replace("\u2581", " ").encode()
+
     def token_to_id(self, token: str) -> int | None:
         found = self._backend.token_to_id(token)
         return None if found is None else int(found)
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """Byte-level BPE's alphabet: each byte as a printable character (printable Latin-1 bytes
+    as themselves, the others shifted past 255 in order), mapped back to its byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    alphabet = {chr(byte): byte for byte in printable}
+    shifted = 0
+    for byte in range(256):
+        if byte not in printable:
+            alphabet[chr(256 + shifted)] = byte
+            shifted += 1
+    return alphabet
+
+
+_BYTE_OF_CHARACTER = _byte_level_alphabet()
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def _pieces(text: str) -> Iterator[str]:

@@ -1,0 +1,129 @@
+"""Every response shape of the HTTP API validates against OpenAI's published OpenAPI document
+(vendored in tests/support/openapi): chat and completions, unary and each stream chunk, with
+logprobs, n > 1 and usage, tool calls (unary and streamed), errors and the models list.
+
+Plain HTTP, so what is checked is the bytes the server sent, not what an SDK made of them.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from tests.server.openai_api.raw_http import request
+from tests.support.openapi_schema import (
+    CHAT_CHUNK,
+    CHAT_COMPLETION,
+    COMPLETION,
+    COMPLETION_CHUNK,
+    ERROR,
+    MODEL,
+    MODELS,
+    sse_events,
+    validate,
+)
+from tokenwire.server.app import TokenwireServer
+
+CHAT = [{"role": "user", "content": "Name a colour"}]
+
+
+async def post(server: TokenwireServer, path: str, body: dict[str, Any]) -> tuple[int, bytes]:
+    assert server.http_port is not None
+    reply = await request(server.http_port, "POST", path, body)
+    return reply.status, reply.body
+
+
+def test_the_vendored_document_is_openais_and_checks_what_it_should() -> None:
+    validate(ERROR, {"error": {"message": "m", "type": "t", "param": None, "code": None}})
+    with pytest.raises(AssertionError, match="system_fingerprint"):
+        validate(
+            CHAT_COMPLETION,
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 1,
+                "model": "m",
+                "choices": [],
+                "system_fingerprint": None,
+            },
+        )
+    # Only the completions stream's chunks may leave finish_reason null.
+    choice = {"index": 0, "text": "a", "logprobs": None, "finish_reason": None}
+    chunk = {"id": "x", "object": "text_completion", "created": 1, "model": "m", "choices": [choice]}
+    validate(COMPLETION_CHUNK, chunk)
+    with pytest.raises(AssertionError, match="finish_reason"):
+        validate(COMPLETION, chunk)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"max_tokens": 6, "temperature": 0},
+        {"max_tokens": 4, "temperature": 0, "logprobs": True, "top_logprobs": 2},
+        {"max_tokens": 4, "temperature": 1, "seed": 3, "n": 2},
+    ],
+    ids=["plain", "logprobs", "n=2"],
+)
+async def test_chat_completions_unary_and_streamed_follow_the_schema(
+    http_server: TokenwireServer, body: dict[str, Any]
+) -> None:
+    status, unary = await post(
+        http_server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, **body}
+    )
+    assert status == 200
+    validate(CHAT_COMPLETION, json.loads(unary))
+    streamed = {**body, "stream": True, "stream_options": {"include_usage": True}}
+    status, stream = await post(
+        http_server, "/v1/chat/completions", {"model": "tiny", "messages": CHAT, **streamed}
+    )
+    assert status == 200
+    chunks = sse_events(stream)
+    assert len(chunks) >= 3
+    for chunk in chunks:
+        validate(CHAT_CHUNK, chunk)
+    assert chunks[-1]["usage"]["completion_tokens"] >= 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [{"max_tokens": 5, "temperature": 0}, {"max_tokens": 4, "temperature": 0, "logprobs": 2}],
+    ids=["plain", "logprobs"],
+)
+async def test_completions_unary_and_streamed_follow_the_schema(
+    http_server: TokenwireServer, body: dict[str, Any]
+) -> None:
+    request_body = {"model": "tiny", "prompt": "The capital of France is", **body}
+    status, unary = await post(http_server, "/v1/completions", request_body)
+    assert status == 200
+    validate(COMPLETION, json.loads(unary))
+    for options in ({"stream": True}, {"stream": True, "stream_options": {"include_usage": True}}):
+        status, stream = await post(http_server, "/v1/completions", {**request_body, **options})
+        assert status == 200
+        chunks = sse_events(stream)
+        *before, last = [chunk for chunk in chunks if chunk["choices"]]
+        for chunk in before:
+            validate(COMPLETION_CHUNK, chunk)
+        validate(COMPLETION, last)  # the last chunk, with its finish reason, is a whole completion
+        usage = [chunk for chunk in chunks if not chunk["choices"]]
+        for chunk in usage:
+            validate(COMPLETION, chunk)
+        assert len(usage) == ("stream_options" in options)
+
+
+async def test_errors_and_models_follow_the_schema(http_server: TokenwireServer) -> None:
+    assert http_server.http_port is not None
+    for path, body in (
+        ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "temperature": 3}),
+        ("/v1/chat/completions", {"model": "nope", "messages": CHAT}),
+        ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}),
+        ("/v1/completions", {"model": "tiny", "prompt": "x", "unknown_parameter": 1}),
+    ):
+        status, error = await post(http_server, path, body)
+        assert status in (400, 404)
+        validate(ERROR, json.loads(error))
+    models = await request(http_server.http_port, "GET", "/v1/models")
+    validate(MODELS, json.loads(models.body))
+    model = await request(http_server.http_port, "GET", "/v1/models/tiny")
+    validate(MODEL, json.loads(model.body))
