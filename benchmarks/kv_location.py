@@ -24,47 +24,16 @@ over host, measured in the same repetitions.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import benchkit
+from bench_workloads import Workload, run_once
 
-from tokenwire.client.bench import BenchConfig, LengthDistribution, LoadLevel, RequestRecord, run_bench
+from tokenwire.client.bench import LoadLevel, RequestRecord
 from tokenwire.client.bench.stats import percentile
 
 LOCATIONS = ("host", "device")
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    level: LoadLevel
-    prompt: int
-    new_tokens: int
-    shared_prefix: int = 0
-    requests: int | None = None
-    duration: float | None = None
-    cold_too: bool = False
-    """Also run on the servers without the prefix cache."""
-
-
-def run_once(target: str, workload: Workload, seed: int) -> tuple[list[RequestRecord], float]:
-    config = BenchConfig(
-        target=target,
-        levels=(workload.level,),
-        prompt_tokens=LengthDistribution(workload.prompt, workload.prompt),
-        max_new_tokens=LengthDistribution(workload.new_tokens, workload.new_tokens),
-        requests=workload.requests,
-        duration=workload.duration,
-        warmup=1,
-        seed=seed,
-        shared_prefix_tokens=workload.shared_prefix,
-    )
-    report = asyncio.run(run_bench(config))
-    return list(report.records[0]), report.levels[0].output_tokens_per_second
 
 
 def summarize(runs: list[tuple[list[RequestRecord], float]]) -> dict[str, float]:
@@ -80,13 +49,6 @@ def summarize(runs: list[tuple[list[RequestRecord], float]]) -> dict[str, float]
         "tpot_p50": percentile(per_token, 50) if per_token else float("nan"),
         "cached_share": sum(r.cached_prompt_tokens for r in ok) / prompt_tokens if prompt_tokens else 0.0,
     }
-
-
-def resident_mib(pid: int) -> float:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) / 1024
-    return float("nan")
 
 
 def main() -> None:
@@ -139,7 +101,7 @@ def main() -> None:
                     runs[(workload.name, side)].append(run_once(servers[side].target, workload, seed))
         for side, server in servers.items():
             startup[side] = server.kv_cache_line()
-            resident[side] = resident_mib(server.pid)
+            resident[side] = benchkit.rss_bytes(server.pid) / 2**20
     finally:
         for server in servers.values():
             server.__exit__()

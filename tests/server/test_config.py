@@ -149,6 +149,7 @@ def test_every_problem_is_reported_at_once_naming_the_setting_and_where_it_came_
         ),
         (("--metrics-port", "50051"), "--metrics-port: 50051 is also the gRPC --port"),
         (("--kv-cache-mb", "-1"), "--kv-cache-mb: must be >= 0, got -1"),
+        (("--kv-cache-mb", "lots"), "--kv-cache-mb: 'lots' is not a whole number"),
         (("--kv-cache-location", "disk"), None),  # a choice: argparse refuses it
         (
             ("--kv-cache-location", "host", "--device", "cuda"),
@@ -157,12 +158,29 @@ def test_every_problem_is_reported_at_once_naming_the_setting_and_where_it_came_
         ),
     ],
 )
-def test_invalid_values_are_refused_naming_the_flag(argv: tuple[str, ...], expected: str | None) -> None:
+def test_invalid_values_are_refused_naming_the_flag(
+    argv: tuple[str, ...], expected: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
     if expected is None:
         with pytest.raises(SystemExit):
             serve_args(*argv)
+        assert f"argument {argv[0]}: invalid choice: '{argv[1]}'" in capsys.readouterr().err
         return
     assert expected in problems(*argv)
+
+
+def test_kv_cache_values_from_the_environment_and_the_file_are_refused_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    assert problems(environ={"TOKENWIRE_KV_CACHE_LOCATION": "disk"}) == (
+        "--kv-cache-location (from TOKENWIRE_KV_CACHE_LOCATION): 'disk' is not one of host, device",
+    )
+    assert problems(environ={"TOKENWIRE_KV_CACHE_MB": "a lot"}) == (
+        "--kv-cache-mb (from TOKENWIRE_KV_CACHE_MB): 'a lot' is not a whole number",
+    )
+    config = write_config(tmp_path, "kv_cache_mb = -5\n")
+    (problem,) = problems("--config", str(config))
+    assert problem.startswith("--kv-cache-mb") and "must be >= 0, got -5" in problem
 
 
 def test_the_kv_cache_settings_come_from_every_source(tmp_path: Path) -> None:

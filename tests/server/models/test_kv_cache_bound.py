@@ -4,13 +4,12 @@ anything is allocated, naming the flags and what would fit; what is allocated is
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from tests.support.serve_process import serve_refused
 from tests.support.tiny_models import TinyModel
 from tokenwire.server.models.kv_settings import KvCacheSettings
 from tokenwire.server.models.loader import KvCacheSettingError, LoadedModel, load_model
@@ -75,30 +74,7 @@ def test_a_cache_within_the_bound_loads_and_the_log_reports_the_bytes_allocated(
 
 
 def test_serve_refuses_a_kv_cache_mb_too_small_and_says_what_would_fit(tiny_llama_dir: Path) -> None:
-    finished = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "tokenwire.server.cli",
-            "serve",
-            "--model",
-            str(tiny_llama_dir),
-            "--host",
-            "127.0.0.1",
-            "--port",
-            "0",
-            "--no-metrics",
-            "--device",
-            "cpu",
-            "--max-batch-size",
-            "32",
-            "--kv-cache-mb",
-            "1",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    finished = serve_refused(tiny_llama_dir, "--max-batch-size", "32", "--kv-cache-mb", "1")
     assert finished.returncode == 1
     assert "serving on" not in finished.stdout
     (line,) = [line for line in finished.stderr.splitlines() if "--kv-cache-mb 1:" in line]

@@ -29,6 +29,19 @@ def greedy(runner: ModelRunner, seq: int, first: np.ndarray, steps: int) -> list
     return logits
 
 
+def assert_same_logits(
+    runner: ModelRunner, got: list[np.ndarray], expected: list[np.ndarray], label: str = ""
+) -> None:
+    """The shared-buffer layout is bit-exact; left padding (Optimum) agrees to rounding."""
+    exact = runner.info.format == "genai"
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert int(a.argmax()) == int(b.argmax()), f"{label}step {step}"
+        if exact:
+            assert np.array_equal(a, b), f"{label}step {step}"
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"{label}step {step}")
+
+
 def test_copied_prefix_rows_give_the_same_logits_as_prefilling_them(each_runner: TinyModel) -> None:
     alone = load(each_runner)
     expected = greedy(alone, 1, alone.prefill(1, PROMPT, start=0), STEPS)
@@ -41,14 +54,7 @@ def test_copied_prefix_rows_give_the_same_logits_as_prefilling_them(each_runner:
     assert rows_of(runner).start_from_kv(2, blocks) == SHARED
     got = greedy(runner, 2, runner.prefill(2, PROMPT[SHARED:], start=SHARED), STEPS)
 
-    # The shared-buffer layout is bit-exact; left padding (Optimum) agrees to rounding.
-    exact = runner.info.format == "genai"
-    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
-        assert int(a.argmax()) == int(b.argmax()), f"step {step}"
-        if exact:
-            assert np.array_equal(a, b), f"step {step}"
-        else:
-            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"step {step}")
+    assert_same_logits(runner, got, expected)
 
 
 def test_shared_buffer_rows_are_bit_exact_in_a_busy_batch(each_kv_location: TinyModel) -> None:
@@ -117,12 +123,7 @@ def test_a_decoding_sequence_swapped_out_and_back_in_decodes_on_as_if_it_had_sta
         logits = runner.decode([2, 1], [neighbour, int(got[-1].argmax())])
         got.append(logits[1].copy())
 
-    exact = runner.info.format == "genai"
-    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
-        if exact:
-            assert np.array_equal(a, b), f"step {step}"
-        else:
-            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"step {step}")
+    assert_same_logits(runner, got, expected)
 
 
 def test_a_sequence_copied_slot_to_slot_continues_as_if_it_had_prefilled_the_rows(
@@ -146,14 +147,8 @@ def test_a_sequence_copied_slot_to_slot_continues_as_if_it_had_prefilled_the_row
         got[1].append(out[0].copy())
         got[2].append(out[1].copy())
 
-    exact = runner.info.format == "genai"
     for seq in (1, 2):
-        for step, (a, b) in enumerate(zip(got[seq], expected[seq], strict=True)):
-            assert int(a.argmax()) == int(b.argmax()), f"sequence {seq} step {step}"
-            if exact:
-                assert np.array_equal(a, b), f"sequence {seq} step {step}"
-            else:
-                np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"sequence {seq} step {step}")
+        assert_same_logits(runner, got[seq], expected[seq], f"sequence {seq} ")
 
 
 def test_a_slot_copy_of_rows_the_source_does_not_hold_is_refused(each_runner: TinyModel) -> None:
