@@ -15,7 +15,7 @@ from tokenwire.server.settings_schema import ENGINE, setting
 KvCacheLocation = Literal["host", "device"]
 
 DEFAULT_KV_CACHE_LOCATION: KvCacheLocation = "device"
-"""BENCHMARKS.md, "KV cache location on the CPU": on the CPU the two locations decode at the same
+"""BENCHMARKS.md section 18, "KV cache location on the CPU": on the CPU the two locations decode at the same
 speed (the model reads memory of the same kind either way, bound by pointer), and ONNX Runtime's
 row moves cost the same order as NumPy's, so the default is the one path every device runs."""
 
