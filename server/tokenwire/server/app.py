@@ -251,6 +251,7 @@ class TokenwireServer:
             max_batch_size=settings.engine.max_batch_size,
             max_context_length=settings.max_context_length,
             session=SessionSettings(device=settings.device, intra_op_threads=settings.intra_op_threads),
+            kv_cache=settings.kv_cache,
         )
         for source in settings.models:
             loaded = await asyncio.to_thread(load_model, source.path, load_settings, name=source.name)

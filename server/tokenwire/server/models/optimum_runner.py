@@ -284,6 +284,13 @@ class OptimumRunner:
         self._prefilling[seq_id] = _Prefilling(kv=kv, length=int(rows.shape[2]))
         return int(rows.shape[2])
 
+    def start_from_sequence(self, seq_id: int, source_id: int, positions: int) -> int:
+        if source_id == seq_id or positions < 1:
+            raise ModelRunnerError(f"sequence {source_id} has no {positions} KV rows to copy")
+        # The source's rows sit in a padded batch (or its own prefill cache) that the next step
+        # replaces: a copy through the host, as a join re-pads through it anyway.
+        return self.start_from_kv(seq_id, [self.read_kv(source_id, 0, positions)])
+
     def release(self, seq_id: int) -> None:
         self._prefilling.pop(seq_id, None)
         decoding = self._decoding()
