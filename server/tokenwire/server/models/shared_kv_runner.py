@@ -29,11 +29,12 @@ from __future__ import annotations
 import heapq
 import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnxruntime as ort
 
+from tokenwire.server.models.hidden_states import HiddenStatePass
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
 from tokenwire.server.models.session import FLOAT_TENSOR_TYPES, run_bound
 
@@ -145,10 +146,23 @@ class SharedKvRunner:
         max_len: int,
         device: str,
         device_id: int = 0,
+        hidden_output: str | None = None,
     ) -> None:
+        """`hidden_output`: the graph output holding the head's input (models/hidden_states.py),
+        for embeddings; None where the graph has none."""
         self._session = session
-        self._info = info
         self._layout = layout
+        self._hidden = None
+        if hidden_output is not None:
+            self._hidden = HiddenStatePass(
+                session,
+                hidden_output,
+                layout.past_names,
+                layout.kv_heads,
+                layout.head_dim,
+                layout.kv_dtype,
+            )
+        self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
         self._slots = slots
         self._max_len = max_len
         self._kv = _KvBuffers(layout, slots, max_len, device, device_id)
@@ -172,6 +186,12 @@ class SharedKvRunner:
 
     def capacity(self) -> int:
         return self._slots
+
+    def hidden_states(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        # A stateless pass over its own empty cache: no slot is taken, none is touched.
+        if self._hidden is None:
+            raise ModelRunnerError(f"{self._info.name} serves no embeddings")
+        return self._hidden.run(inputs)
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
         if start == 0:
