@@ -83,17 +83,21 @@ def test_pooled_vectors_are_of_unit_length_and_pool_as_named() -> None:
     np.testing.assert_allclose(pool(states, Pooling.MEAN), [0.6, 0.8], rtol=1e-6)
 
 
-def test_a_graph_without_a_head_before_its_logits_serves_no_embeddings(tmp_path: Path) -> None:
+def headless_model(tmp_path: Path) -> Path:
+    """The tiny GPT whose logits come from an op no walk back to a head passes through."""
     model_dir = create_tiny_gpt(tmp_path / "headless", TinyGptConfig())
     graph = onnx.load(str(model_dir / "model.onnx"))
     for node in graph.graph.node:
         if "logits" in node.output:
-            # The head's output renamed, and logits made by an op no head walk passes through.
             node.output[0] = "head_out"
             graph.graph.node.append(onnx.helper.make_node("Softmax", ["head_out"], ["logits"], axis=-1))
             break
     onnx.save(graph, str(model_dir / "model.onnx"))
-    loaded = load_model(model_dir, LoadSettings())
+    return model_dir
+
+
+def test_a_graph_without_a_head_before_its_logits_serves_no_embeddings(tmp_path: Path) -> None:
+    loaded = load_model(headless_model(tmp_path), LoadSettings())
     assert loaded.info.embedding_size == 0
     assert isinstance(loaded.runner, HiddenStates)
     with pytest.raises(ModelRunnerError, match="serves no embeddings"):

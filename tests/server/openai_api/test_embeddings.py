@@ -1,5 +1,7 @@
 """/v1/embeddings and the Embed RPC on a real server: the official SDK (float and base64), the
-gRPC edge, the vendored OpenAPI document, and every refusal a 400 naming its field on both edges.
+gRPC edge, every refusal a 400 naming its field on both edges, a model without hidden states, and
+embeddings that run beside a generation without changing its tokens. (The response shapes are
+checked against the vendored OpenAPI document in test_openapi_schema.py.)
 
 The vectors are held to the engine's own pass (the runner's hidden states, pooled), which
 tests/server/models/test_hidden_states.py holds to transformers.
@@ -20,9 +22,9 @@ import pytest
 from google.rpc import error_details_pb2
 from grpc_status import rpc_status
 
+from tests.server.models.test_hidden_states import headless_model
 from tests.server.openai_api.conftest import base_url, http_settings
 from tests.server.openai_api.raw_http import request
-from tests.support.openapi_schema import EMBEDDINGS, EMBEDDINGS_BASE64, ERROR, validate
 from tests.support.servers import serving
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.engine.validation import RequestLimits
@@ -82,24 +84,6 @@ async def test_token_id_inputs_embed_as_their_text_does(embedding_server: Tokenw
     by_text = await client.embeddings.create(model=model, input=TEXTS[0], encoding_format="float")
     np.testing.assert_allclose(by_ids.data[0].embedding, by_text.data[0].embedding, atol=1e-5, rtol=0)
     assert by_ids.usage.prompt_tokens == len(tokens) + 1
-
-
-async def test_embeddings_responses_follow_the_vendored_schema(embedding_server: TokenwireServer) -> None:
-    assert embedding_server.http_port is not None
-    model = embedding_server.registry.default.name
-    for encoding, component in (("float", EMBEDDINGS), ("base64", EMBEDDINGS_BASE64)):
-        reply = await request(
-            embedding_server.http_port,
-            "POST",
-            "/v1/embeddings",
-            {"model": model, "input": TEXTS, "encoding_format": encoding},
-        )
-        assert reply.status == 200
-        validate(component, json.loads(reply.body))
-    refused = await request(
-        embedding_server.http_port, "POST", "/v1/embeddings", {"model": model, "input": []}
-    )
-    validate(ERROR, json.loads(refused.body))
 
 
 REFUSALS: list[tuple[dict[str, Any], int, str]] = [
@@ -169,3 +153,32 @@ async def test_the_embed_rpc_returns_the_http_vectors_and_refuses_naming_the_fie
         with pytest.raises(grpc.aio.AioRpcError) as raised:
             await stub.Embed(pb.EmbedRequest(model="no-such-model", inputs=[pb.EmbedInput(text="a")]))
         assert raised.value.code() is grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_model_without_hidden_states_refuses_embeddings_naming_the_model(tmp_path: Path) -> None:
+    async with serving(http_settings(headless_model(tmp_path))) as server:
+        assert server.http_port is not None
+        body = {"model": server.registry.default.name, "input": "hi"}
+        reply = await request(server.http_port, "POST", "/v1/embeddings", body)
+        assert reply.status == 400
+        error = json.loads(reply.body)["error"]
+        assert error["param"] == "model" and "serves no embeddings" in error["message"]
+
+
+async def test_embeddings_beside_a_generation_leave_its_tokens_as_they_were(
+    embedding_server: TokenwireServer,
+) -> None:
+    client = openai.AsyncOpenAI(base_url=base_url(embedding_server), api_key="unused", max_retries=0)
+    model = embedding_server.registry.default.name
+
+    async def generate() -> str:
+        answer = await client.completions.create(
+            model=model, prompt="Once upon", max_tokens=24, temperature=0
+        )
+        return answer.choices[0].text
+
+    alone = await generate()
+    embeddings = [client.embeddings.create(model=model, input=TEXTS) for _ in range(6)]
+    beside, *embedded = await asyncio.gather(generate(), *embeddings)
+    assert beside == alone
+    assert all(len(response.data) == len(TEXTS) for response in embedded)
