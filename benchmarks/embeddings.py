@@ -94,7 +94,14 @@ def main() -> None:
                 ]
             )
     print(f"\n## Embeddings against a prefill of the same tokens, median of {repetitions}\n")
-    header = ["inputs", "tokens each", "Embed (ms)", "embeddings/s", "Generate max 1 (ms)", "Embed / Generate"]
+    header = [
+        "inputs",
+        "tokens each",
+        "Embed (ms)",
+        "embeddings/s",
+        "Generate max 1 (ms)",
+        "Embed / Generate",
+    ]
     print(benchkit.markdown_table(header, rows))
     path = benchkit.save_results("embeddings", {"seconds": found, "machine": benchkit.machine_summary()})
     print(f"\nresults: {path}")

@@ -20,6 +20,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import onnx
@@ -71,6 +72,17 @@ def expose_hidden_states(model_path: Path) -> ExposedGraph | None:
     return None
 
 
+class KvGeometry(Protocol):
+    """What an empty cache needs of a layout: its heads, head size and dtype."""
+
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+    @property
+    def kv_dtype(self) -> np.dtype[np.floating]: ...
+
+
 @dataclass(frozen=True)
 class HiddenStatePass:
     """How to run a stateless embedding pass over one runner's session."""
@@ -81,6 +93,15 @@ class HiddenStatePass:
     kv_heads: int
     head_dim: int
     kv_dtype: np.dtype[np.floating]
+
+    @classmethod
+    def over(
+        cls, session: ort.InferenceSession, output: str | None, past_names: Sequence[str], kv: KvGeometry
+    ) -> HiddenStatePass | None:
+        """The pass over `session`'s `output`; None where the graph exposes none."""
+        if output is None:
+            return None
+        return cls(session, output, past_names, kv.kv_heads, kv.head_dim, kv.kv_dtype)
 
     def size(self) -> int:
         """Floats in one position's hidden state: the output's static last dimension, or what a

@@ -109,17 +109,7 @@ class OptimumRunner:
         self._device = device
         self._layout = OptimumLayout.from_session(session)
         self._past_names = self._layout.kv_names("past_key_values")
-        layout = self._layout
-        self._hidden = None
-        if hidden_output is not None:
-            self._hidden = HiddenStatePass(
-                session,
-                hidden_output,
-                self._past_names,
-                layout.kv_heads,
-                layout.head_dim,
-                layout.kv_dtype,
-            )
+        self._hidden = HiddenStatePass.over(session, hidden_output, self._past_names, self._layout)
         self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
         self._present_names = self._layout.kv_names("present")
         self._prefilling: dict[int, _Prefilling] = {}

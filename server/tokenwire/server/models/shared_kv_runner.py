@@ -152,16 +152,7 @@ class SharedKvRunner:
         for embeddings; None where the graph has none."""
         self._session = session
         self._layout = layout
-        self._hidden = None
-        if hidden_output is not None:
-            self._hidden = HiddenStatePass(
-                session,
-                hidden_output,
-                layout.past_names,
-                layout.kv_heads,
-                layout.head_dim,
-                layout.kv_dtype,
-            )
+        self._hidden = HiddenStatePass.over(session, hidden_output, layout.past_names, layout)
         self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
         self._slots = slots
         self._max_len = max_len

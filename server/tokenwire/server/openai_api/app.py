@@ -206,14 +206,7 @@ class OpenAIApp:
         self, method: str, path: str, metadata: list[tuple[str, str]], ending: RequestEnding, send: Send
     ) -> None:
         if method != "GET":
-            await _refuse(
-                send,
-                ending,
-                _method_not_allowed("GET"),
-                status=405,
-                close=_declares_body(metadata),
-                allow=b"GET",
-            )
+            await _refuse_method(send, ending, metadata, "GET")
             return
         refused = self._authenticate(metadata)
         if refused is not None:
@@ -323,14 +316,7 @@ class OpenAIApp:
         send: Send,
     ) -> None:
         if method != "POST":
-            await _refuse(
-                send,
-                ending,
-                _method_not_allowed("POST"),
-                status=405,
-                close=_declares_body(metadata),
-                allow=b"POST",
-            )
+            await _refuse_method(send, ending, metadata, "POST")
             return
         if not await self._takes_body(metadata, ending, send):
             return
@@ -521,6 +507,20 @@ async def _refuse(
     if close:
         headers += (_CLOSE,)
     await _respond(send, HttpResponse(status or response.status, response.body, headers))
+
+
+async def _refuse_method(
+    send: Send, ending: RequestEnding, metadata: list[tuple[str, str]], allowed: str
+) -> None:
+    """A 405 naming the method the path takes."""
+    await _refuse(
+        send,
+        ending,
+        _method_not_allowed(allowed),
+        status=405,
+        close=_declares_body(metadata),
+        allow=allowed.encode(),
+    )
 
 
 def _unsupported_media_type() -> GenerationError:
