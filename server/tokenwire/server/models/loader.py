@@ -15,9 +15,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from tokenwire.server.models.hidden_states import expose_hidden_states
 from tokenwire.server.models.kv_settings import KvCacheSettings
 from tokenwire.server.models.kv_store import open_kv_store
 from tokenwire.server.models.optimum_runner import OptimumRunner
+from tokenwire.server.models.pooling import Pooling, read_pooling
 from tokenwire.server.models.runner import ModelInfo, ModelRunner
 from tokenwire.server.models.session import SessionSettings, choose_provider, create_session, ort_device_name
 from tokenwire.server.models.shared_kv_runner import SharedKvLayout, SharedKvRunner
@@ -77,6 +79,7 @@ def load_model(model_dir: Path, settings: LoadSettings, *, name: str | None = No
         chat_template=chat_template,
         eos_from_tokenizer=frozenset(_named_token_ids(tokenizer, tokenizer_config, "eos_token")),
         device=ort_device_name(choose_provider(settings.session.device)),
+        pooling=read_pooling(model_dir),
     )
     if model_format == "genai":
         return _load_genai(model_dir, common)
@@ -93,6 +96,7 @@ class _Common:
     chat_template: ChatTemplate | None
     eos_from_tokenizer: frozenset[int]
     device: str
+    pooling: Pooling
 
     def info(
         self,
@@ -113,6 +117,7 @@ class _Common:
             eos_token_ids=frozenset(eos_token_ids) | self.eos_from_tokenizer,
             max_batch_size=self.settings.max_batch_size,
             default_temperature=_default_temperature(search_defaults),
+            pooling=self.pooling,
         )
 
     def loaded(self, info: ModelInfo, runner: ModelRunner) -> LoadedModel:
@@ -138,7 +143,8 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
     graph = _inside(
         model_dir, decoder.get("filename", "model.onnx"), "genai_config.json", "model.decoder.filename"
     )
-    session = create_session(graph, settings.session)
+    exposed = expose_hidden_states(graph)
+    session = create_session(graph, settings.session, graph=exposed.model if exposed else None)
     layout = SharedKvLayout.from_session(session, config)
     info = common.info(
         model_format="genai",
@@ -166,7 +172,10 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
             f"failed: {error}"
         ) from error
     info = replace(info, kv_cache_bytes=store.allocated_bytes, kv_cache_placement=store.describe())
-    runner = SharedKvRunner(session, info, layout, store)
+    runner = SharedKvRunner(
+        session, info, layout, store, hidden_output=exposed.hidden_output if exposed else None
+    )
+    info = runner.info
     log.info(
         "model %s: genai layout, context %d, KV cache %.1f MiB (%d bytes) allocated in %s "
         "(--kv-cache-location %s) for %d slots; its rows move by %s",
@@ -191,7 +200,10 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
         config,
         (*context_keys, "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
     )
-    session = create_session(model_dir / "model.onnx", common.settings.session)
+    exposed = expose_hidden_states(model_dir / "model.onnx")
+    session = create_session(
+        model_dir / "model.onnx", common.settings.session, graph=exposed.model if exposed else None
+    )
     info = common.info(
         model_format="optimum",
         vocab_size=config.get("vocab_size"),
@@ -200,7 +212,9 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
         search_defaults=generation,
     )
     info = replace(info, kv_cache_placement=f"ONNX Runtime memory on {common.device}")
-    runner = OptimumRunner(session, info, common.device)
+    runner = OptimumRunner(
+        session, info, common.device, hidden_output=exposed.hidden_output if exposed else None
+    )
     _check_kv_bound(runner.kv_bytes_per_token(), info, common.settings)
     log.info(
         "model %s: optimum layout, context %d, KV cache grows per step in %s (the model's own "
@@ -209,7 +223,7 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
         info.context_length,
         info.kv_cache_placement,
     )
-    return common.loaded(info, runner)
+    return common.loaded(runner.info, runner)
 
 
 def _check_kv_bound(bytes_per_position: int, info: ModelInfo, settings: LoadSettings) -> None:

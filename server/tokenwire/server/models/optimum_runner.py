@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnxruntime as ort
 
+from tokenwire.server.models.hidden_states import HiddenStatePass
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
 from tokenwire.server.models.session import FLOAT_TENSOR_TYPES, run_bound
 
@@ -99,12 +100,17 @@ class _Batch:
 class OptimumRunner:
     """ModelRunner over an Optimum-layout session with a left-padded, growing batch cache."""
 
-    def __init__(self, session: ort.InferenceSession, info: ModelInfo, device: str) -> None:
+    def __init__(
+        self, session: ort.InferenceSession, info: ModelInfo, device: str, *, hidden_output: str | None = None
+    ) -> None:
+        """`hidden_output`: the graph output holding the head's input (models/hidden_states.py),
+        for embeddings; None where the graph has none."""
         self._session = session
-        self._info = info
         self._device = device
         self._layout = OptimumLayout.from_session(session)
         self._past_names = self._layout.kv_names("past_key_values")
+        self._hidden = HiddenStatePass.over(session, hidden_output, self._past_names, self._layout)
+        self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
         self._present_names = self._layout.kv_names("present")
         self._prefilling: dict[int, _Prefilling] = {}
         # One batch when the graph takes position_ids; otherwise one per sequence length.
@@ -127,6 +133,11 @@ class OptimumRunner:
 
     def capacity(self) -> int:
         return self._info.max_batch_size
+
+    def hidden_states(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        if self._hidden is None:
+            raise ModelRunnerError(f"{self._info.name} serves no embeddings")
+        return self._hidden.run(inputs)
 
     # -- prefill ---------------------------------------------------------------------------------
 

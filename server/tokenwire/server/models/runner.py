@@ -13,6 +13,8 @@ from typing import Protocol, runtime_checkable
 
 import numpy as np
 
+from tokenwire.server.models.pooling import Pooling
+
 
 @dataclass(frozen=True)
 class ModelInfo:
@@ -31,6 +33,10 @@ class ModelInfo:
     """Bytes allocated for the KV cache (0 where the cache grows on demand)."""
     kv_cache_placement: str = ""
     """Where the KV cache lives, in words for the start-up log ("ONNX Runtime memory on cpu")."""
+    embedding_size: int = 0
+    """Floats in one embedding (the hidden size); 0 where the model serves no embeddings."""
+    pooling: Pooling = Pooling.LAST
+    """How an input's hidden states become its embedding (models/pooling.py)."""
 
 
 class ModelRunnerError(RuntimeError):
@@ -127,4 +133,15 @@ class MultiTokenDecode(Protocol):
     def rollback(self, seq_id: int, count: int) -> None:
         """Drop the last `count` positions of a decoding sequence's cache (0 <= count <= its
         length); its next decode continues from the positions left."""
+        ...
+
+
+@runtime_checkable
+class HiddenStates(Protocol):
+    """A runner that can return its model's last hidden states, for embeddings."""
+
+    def hidden_states(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Each input's hidden states after the final norm, [len(input), hidden] float32, from a
+        stateless pass (no sequence is created, no KV slot taken). Raises ModelRunnerError where
+        the model has none (`ModelInfo.embedding_size` 0)."""
         ...

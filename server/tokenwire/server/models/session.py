@@ -59,7 +59,11 @@ def run_bound(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
         raise ModelRunnerError(f"model step failed: {error}") from error
 
 
-def create_session(model_path: Path, settings: SessionSettings) -> ort.InferenceSession:
+def create_session(
+    model_path: Path, settings: SessionSettings, *, graph: bytes | None = None
+) -> ort.InferenceSession:
+    """A session over `model_path`, or over `graph` (that file's graph, rewritten) whose external
+    weights are read from the file's directory."""
     provider = choose_provider(settings.device)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -76,7 +80,13 @@ def create_session(model_path: Path, settings: SessionSettings) -> ort.Inference
         providers = [(CUDA_PROVIDER, {"device_id": settings.device_id}), CPU_PROVIDER]
     else:
         providers = [CPU_PROVIDER]
-    session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
+    model: str | bytes = str(model_path)
+    if graph is not None:
+        model = graph
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(model_path.parent)
+        )
+    session = ort.InferenceSession(model, sess_options=options, providers=providers)
     log.info("loaded %s on %s", model_path.name, session.get_providers()[0])
     return session
 

@@ -32,11 +32,12 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnxruntime as ort
 
+from tokenwire.server.models.hidden_states import HiddenStatePass
 from tokenwire.server.models.kv_copy import KvGeometry
 from tokenwire.server.models.kv_store import KvStore, rows_length
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
@@ -105,11 +106,16 @@ class SharedKvRunner:
         info: ModelInfo,
         layout: SharedKvLayout,
         store: KvStore,
+        *,
+        hidden_output: str | None = None,
     ) -> None:
-        """`store` holds the cache: its geometry gives the slots and each slot's positions."""
+        """`store` holds the cache: its geometry gives the slots and each slot's positions.
+        `hidden_output`: the graph output holding the head's input (models/hidden_states.py), for
+        embeddings; None where the graph has none."""
         self._session = session
-        self._info = info
         self._layout = layout
+        self._hidden = HiddenStatePass.over(session, hidden_output, layout.past_names, layout)
+        self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
         self._kv = store
         self._slots = slots = store.geometry.slots
         self._max_len = max_len = store.geometry.positions
@@ -133,6 +139,12 @@ class SharedKvRunner:
 
     def capacity(self) -> int:
         return self._slots
+
+    def hidden_states(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        # A stateless pass over its own empty cache: no slot is taken, none is touched.
+        if self._hidden is None:
+            raise ModelRunnerError(f"{self._info.name} serves no embeddings")
+        return self._hidden.run(inputs)
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
         if start == 0:
