@@ -1,7 +1,7 @@
 """The libraries services are built on, unchanged, against a real server with the default model:
 LangChain (ChatOpenAI), LiteLLM, instructor, pydantic-ai and llama-index (OpenAILike). For each:
 a chat, a stream, structured output in the library's default mode, and a tool-calling round trip
-(tool call -> tool result -> answer). Their versions are pinned in pyproject.toml's dev extra.
+(tool call -> tool result -> answer); LangChain also on the Responses API (`use_responses_api`). Their versions are pinned in pyproject.toml's dev extra.
 
 SmolLM2-135M rarely chooses a tool by itself, so each round trip forces its first call with the
 library's own tool choice (a named tool or `required`), which the server enforces with a grammar,
@@ -91,6 +91,51 @@ def test_langchain_tool_round_trip(langchain_chat: Any) -> None:
     result = ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])
     answer = langchain_chat.invoke([question, call_message, result])
     assert isinstance(answer.content, str) and answer.content.strip()
+    assert not answer.tool_calls
+
+
+@pytest.fixture(scope="module")
+def langchain_responses(api: str) -> Any:
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(
+        base_url=api,
+        api_key="unused",
+        model=DEFAULT_MODEL_NAME,
+        temperature=0,
+        max_tokens=48,
+        max_retries=0,
+        use_responses_api=True,
+    )
+
+
+def test_langchain_on_the_responses_api_chats_and_streams_the_same_answer(
+    langchain_responses: Any, langchain_chat: Any
+) -> None:
+    answer = langchain_responses.invoke("Name a colour.")
+    assert answer.text.strip()
+    assert answer.response_metadata["id"].startswith("resp_")
+    assert answer.text == langchain_chat.invoke("Name a colour.").content  # the same conversation
+    streamed = "".join(chunk.text for chunk in langchain_responses.stream("Name a colour."))
+    assert streamed == answer.text
+    assert answer.usage_metadata["output_tokens"] >= 1
+
+
+def test_langchain_on_the_responses_api_tool_round_trip(langchain_responses: Any) -> None:
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_core.tools import tool
+
+    weather = tool(get_weather)
+    question = HumanMessage(QUESTION)
+    call_message = langchain_responses.bind_tools([weather], tool_choice="get_weather").invoke([question])
+    [call] = call_message.tool_calls
+    assert call["name"] == "get_weather"
+    assert_city(call["args"])
+    result = ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])
+    answer = langchain_responses.bind_tools([weather], tool_choice="none").invoke(
+        [question, call_message, result]
+    )
+    assert answer.text.strip()
     assert not answer.tool_calls
 
 
