@@ -1,7 +1,8 @@
 """The libraries services are built on, unchanged, against a real server with the default model:
 LangChain (ChatOpenAI), LiteLLM, instructor, pydantic-ai and llama-index (OpenAILike). For each:
 a chat, a stream, structured output in the library's default mode, and a tool-calling round trip
-(tool call -> tool result -> answer); LangChain also on the Responses API (`use_responses_api`). Their versions are pinned in pyproject.toml's dev extra.
+(tool call -> tool result -> answer); LangChain also on the Responses API (`use_responses_api`).
+Their versions are pinned in pyproject.toml's dev extra.
 
 SmolLM2-135M rarely chooses a tool by itself, so each round trip forces its first call with the
 library's own tool choice (a named tool or `required`), which the server enforces with a grammar,

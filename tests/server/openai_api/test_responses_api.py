@@ -298,4 +298,3 @@ async def test_every_response_and_stream_event_with_tools_follows_the_schema(
         {**item, "id": streamed["id"], **({"call_id": streamed["call_id"]} if "call_id" in item else {})}
         for item, streamed in zip(response["output"], events[-1]["response"]["output"], strict=True)
     ]
-
