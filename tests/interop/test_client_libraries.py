@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -57,13 +57,23 @@ def api(default_model_api: str) -> str:
 # -- LangChain ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def langchain_chat(api: str) -> Any:
+def langchain_model(api: str, **options: Any) -> Any:
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(
-        base_url=api, api_key="unused", model=DEFAULT_MODEL_NAME, temperature=0, max_tokens=48, max_retries=0
+        base_url=api,
+        api_key="unused",
+        model=DEFAULT_MODEL_NAME,
+        temperature=0,
+        max_tokens=48,
+        max_retries=0,
+        **options,
     )
+
+
+@pytest.fixture(scope="module")
+def langchain_chat(api: str) -> Any:
+    return langchain_model(api)
 
 
 def test_langchain_chats_and_streams_the_same_answer(langchain_chat: Any) -> None:
@@ -80,34 +90,29 @@ def test_langchain_structured_output_in_its_default_mode(langchain_chat: Any) ->
 
 
 def test_langchain_tool_round_trip(langchain_chat: Any) -> None:
+    langchain_tool_round_trip(langchain_chat, answering=lambda weather: langchain_chat)
+
+
+def langchain_tool_round_trip(model: Any, answering: Callable[[Any], Any]) -> None:
+    """A call forced by `model`, its result, and the text answer of `answering(the tool)`."""
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
 
     weather = tool(get_weather)
     question = HumanMessage(QUESTION)
-    call_message = langchain_chat.bind_tools([weather], tool_choice="get_weather").invoke([question])
+    call_message = model.bind_tools([weather], tool_choice="get_weather").invoke([question])
     [call] = call_message.tool_calls
     assert call["name"] == "get_weather"
     assert_city(call["args"])
     result = ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])
-    answer = langchain_chat.invoke([question, call_message, result])
-    assert isinstance(answer.content, str) and answer.content.strip()
+    answer = answering(weather).invoke([question, call_message, result])
+    assert isinstance(answer.text, str) and answer.text.strip()
     assert not answer.tool_calls
 
 
 @pytest.fixture(scope="module")
 def langchain_responses(api: str) -> Any:
-    from langchain_openai import ChatOpenAI
-
-    return ChatOpenAI(
-        base_url=api,
-        api_key="unused",
-        model=DEFAULT_MODEL_NAME,
-        temperature=0,
-        max_tokens=48,
-        max_retries=0,
-        use_responses_api=True,
-    )
+    return langchain_model(api, use_responses_api=True)
 
 
 def test_langchain_on_the_responses_api_chats_and_streams_the_same_answer(
@@ -123,21 +128,11 @@ def test_langchain_on_the_responses_api_chats_and_streams_the_same_answer(
 
 
 def test_langchain_on_the_responses_api_tool_round_trip(langchain_responses: Any) -> None:
-    from langchain_core.messages import HumanMessage, ToolMessage
-    from langchain_core.tools import tool
-
-    weather = tool(get_weather)
-    question = HumanMessage(QUESTION)
-    call_message = langchain_responses.bind_tools([weather], tool_choice="get_weather").invoke([question])
-    [call] = call_message.tool_calls
-    assert call["name"] == "get_weather"
-    assert_city(call["args"])
-    result = ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])
-    answer = langchain_responses.bind_tools([weather], tool_choice="none").invoke(
-        [question, call_message, result]
+    # Answering, the model is told not to call again: the Responses API keeps the tools offered.
+    langchain_tool_round_trip(
+        langchain_responses,
+        answering=lambda weather: langchain_responses.bind_tools([weather], tool_choice="none"),
     )
-    assert answer.text.strip()
-    assert not answer.tool_calls
 
 
 # -- LiteLLM -----------------------------------------------------------------------------------

@@ -79,6 +79,21 @@ def validate(component: str, value: Any) -> None:
     )
 
 
+def request_parameters(component: str) -> set[str]:
+    """The parameters the request schema `component` defines (its properties, through allOf)."""
+    schemas = document()["components"]["schemas"]
+
+    def properties(schema: dict[str, Any]) -> set[str]:
+        if "$ref" in schema:
+            return properties(schemas[schema["$ref"].rsplit("/", 1)[1]])
+        found = set(schema.get("properties", {}))
+        for part in schema.get("allOf", []):
+            found |= properties(part)
+        return found
+
+    return properties(schemas[component])
+
+
 @functools.cache
 def response_event_schemas() -> dict[str, str]:
     """Each Responses API stream event's `type` -> the component that describes it."""

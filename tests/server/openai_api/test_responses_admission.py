@@ -20,7 +20,7 @@ import pytest
 
 from tests.server.openai_api.conftest import http_settings
 from tests.server.openai_api.raw_http import request
-from tests.support.openapi_schema import document
+from tests.support.openapi_schema import request_parameters
 from tests.support.servers import serving
 from tests.support.tools import WEATHER_TOOL
 from tokenwire.server.app import TokenwireServer
@@ -46,17 +46,7 @@ IGNORED_VALUES: dict[str, Any] = {
 
 
 def openai_responses_parameters() -> set[str]:
-    schemas = document()["components"]["schemas"]
-
-    def properties(schema: dict[str, Any]) -> set[str]:
-        if "$ref" in schema:
-            return properties(schemas[schema["$ref"].rsplit("/", 1)[1]])
-        found = set(schema.get("properties", {}))
-        for part in schema.get("allOf", []):
-            found |= properties(part)
-        return found
-
-    return properties(schemas["CreateResponse"])
+    return request_parameters("CreateResponse")
 
 
 async def respond(server: TokenwireServer, body: dict[str, Any], **options: Any) -> Any:

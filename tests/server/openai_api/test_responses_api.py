@@ -34,6 +34,15 @@ WEATHER = {"type": "function", **WEATHER_TOOL["function"]}
 """The weather tool in the Responses API's flat shape."""
 FORCE_WEATHER = {"type": "function", "name": "get_weather"}
 QUESTION = "What is the weather in Paris?"
+FORCED: dict[str, Any] = {
+    "model": DEFAULT_MODEL_NAME,
+    "input": QUESTION,
+    "tools": [WEATHER],
+    "tool_choice": FORCE_WEATHER,
+    "max_output_tokens": 48,
+    "temperature": 0,
+}
+"""A request whose answer is one call of the weather tool, forced by the server's grammar."""
 PERSON = {
     "type": "object",
     "properties": {"name": {"type": "string"}, "age": {"type": "integer"}},
@@ -179,14 +188,7 @@ def test_a_stream_says_openais_events_in_order_and_ends_with_the_whole_response(
 
 
 def test_a_function_tool_round_trip(client: openai.OpenAI) -> None:
-    called = client.responses.create(
-        model=DEFAULT_MODEL_NAME,
-        input=QUESTION,
-        tools=[WEATHER],  # type: ignore[list-item]
-        tool_choice=FORCE_WEATHER,  # type: ignore[arg-type]
-        max_output_tokens=48,
-        temperature=0,
-    )
+    called = client.responses.create(**FORCED)
     assert called.status == "completed"
     [call] = called.output
     assert call.type == "function_call" and call.name == "get_weather"
@@ -232,17 +234,7 @@ def test_a_function_tool_round_trip(client: openai.OpenAI) -> None:
 
 
 def test_a_forced_call_streams_its_arguments_in_pieces(client: openai.OpenAI) -> None:
-    events = list(
-        client.responses.create(
-            model=DEFAULT_MODEL_NAME,
-            input=QUESTION,
-            tools=[WEATHER],  # type: ignore[list-item]
-            tool_choice=FORCE_WEATHER,  # type: ignore[arg-type]
-            max_output_tokens=48,
-            temperature=0,
-            stream=True,
-        )
-    )
+    events = list(client.responses.create(**FORCED, stream=True))
     kinds = [event.type for event in events]
     pieces = [event.delta for event in events if event.type == "response.function_call_arguments.delta"]
     assert len(pieces) >= 3, "the arguments stream as they are generated"

@@ -437,22 +437,30 @@ def _message_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
 
 def _tools(value: Any) -> tuple[ToolDefinition, ...]:
     """OpenAI's tools: [{"type": "function", "function": {name, description, parameters}}]."""
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise bad("tools", "must be a list of tools")
     tools = []
-    for index, tool in enumerate(value):
-        at = f"tools[{index}]"
-        if not isinstance(tool, dict):
-            raise bad(at, 'must be {"type": "function", "function": {...}}')
-        if tool.get("type") != "function":
-            raise bad(f"{at}.type", "only function tools are served")
+    for at, tool in function_tools(value, '{"type": "function", "function": {...}}'):
         function = tool.get("function")
         if not isinstance(function, dict):
             raise bad(f"{at}.function", "must be an object with a name")
         tools.append(tool_definition(function, f"{at}.function"))
     return tuple(tools)
+
+
+def function_tools(value: Any, shape: str) -> list[tuple[str, dict[str, Any]]]:
+    """A `tools` list's entries, each a function tool (of the route's `shape`), with its path."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad("tools", "must be a list of tools")
+    found = []
+    for index, tool in enumerate(value):
+        at = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise bad(at, f"must be {shape}")
+        if tool.get("type") != "function":
+            raise bad(f"{at}.type", "only function tools are served (not OpenAI's hosted tools)")
+        found.append((at, tool))
+    return found
 
 
 def tool_definition(function: Mapping[str, Any], at: str) -> ToolDefinition:

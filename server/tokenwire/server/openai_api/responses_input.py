@@ -39,6 +39,7 @@ from tokenwire.server.openai_api.parsing import (
     bad,
     content_text,
     decode_json,
+    function_tools,
     json_schema_format,
     model_name,
     optional,
@@ -311,17 +312,8 @@ def _stream_options(value: Any, *, stream: bool) -> None:
 def _tools(value: Any) -> tuple[tuple[ToolDefinition, ...], list[dict[str, object]]]:
     """The Responses API's tools, flat: [{"type": "function", "name", "description", "parameters",
     "strict"}], and what the response repeats of them."""
-    if value is None:
-        return (), []
-    if not isinstance(value, list):
-        raise bad("tools", "must be a list of tools")
     tools, echo = [], []
-    for index, tool in enumerate(value):
-        at = f"tools[{index}]"
-        if not isinstance(tool, dict):
-            raise bad(at, 'must be {"type": "function", "name": ...}')
-        if tool.get("type") != "function":
-            raise bad(f"{at}.type", "only function tools are served (OpenAI's hosted tools are not)")
+    for at, tool in function_tools(value, '{"type": "function", "name": ...}'):
         definition = tool_definition(tool, at)
         strict = optional(tool, "strict", bool, prefix=f"{at}.")
         tools.append(definition)
