@@ -140,6 +140,12 @@ RESPONSE_BODIES: list[dict[str, Any]] = [
     {"input": "Name a colour", "max_output_tokens": 6},
     {"input": CHAT, "instructions": "Be brief.", "max_output_tokens": 200, "temperature": 0.5, "top_p": 0.9},
     {
+        "input": "Name a colour",
+        "max_output_tokens": 5,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    },
+    {
         "input": "A person",
         "text": {
             "format": {"type": "json_schema", "name": "person", "schema": {"type": "object"}, "strict": True}
@@ -149,7 +155,7 @@ RESPONSE_BODIES: list[dict[str, Any]] = [
 ]
 
 
-@pytest.mark.parametrize("body", RESPONSE_BODIES, ids=["cut-short", "instructions", "json"])
+@pytest.mark.parametrize("body", RESPONSE_BODIES, ids=["cut-short", "instructions", "logprobs", "json"])
 async def test_responses_unary_and_every_stream_event_follow_the_schema(
     http_server: TokenwireServer, body: dict[str, Any]
 ) -> None:
@@ -172,3 +178,14 @@ async def test_responses_unary_and_every_stream_event_follow_the_schema(
     assert events[-1]["type"] == f"response.{last['status']}"
     validate(RESPONSE, last)
     assert [item["type"] for item in last["output"]] == [item["type"] for item in response["output"]]
+    if "include" in body:  # every token's log-probability, with its alternatives, on its text
+        [part] = response["output"][0]["content"]
+        assert len(part["logprobs"]) == response["usage"]["output_tokens"] == 5
+        assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
+        streamed = [
+            entry
+            for event in events
+            if event["type"] == "response.output_text.delta"
+            for entry in event["logprobs"]
+        ]
+        assert [entry["token"] for entry in streamed] == [entry["token"] for entry in part["logprobs"]]

@@ -290,3 +290,26 @@ async def test_every_response_and_stream_event_with_tools_follows_the_schema(
         {**item, "id": streamed["id"], **({"call_id": streamed["call_id"]} if "call_id" in item else {})}
         for item, streamed in zip(response["output"], events[-1]["response"]["output"], strict=True)
     ]
+
+
+def test_log_probabilities_are_chats_and_their_bytes_rebuild_the_text(client: openai.OpenAI) -> None:
+    response = client.responses.create(
+        model=DEFAULT_MODEL_NAME,
+        input="Name a colour.",
+        max_output_tokens=12,
+        temperature=0,
+        include=["message.output_text.logprobs"],
+        top_logprobs=2,
+    )
+    chat = chat_text(
+        client, [{"role": "user", "content": "Name a colour."}], 12, logprobs=True, top_logprobs=2
+    )
+    [part] = response.output[0].content  # type: ignore[union-attr]
+    assert part.logprobs is not None and len(part.logprobs) == response.usage.output_tokens  # type: ignore[union-attr]
+    expected = chat.choices[0].logprobs.content
+    assert [entry.token for entry in part.logprobs] == [entry.token for entry in expected]
+    assert [entry.logprob for entry in part.logprobs] == pytest.approx([entry.logprob for entry in expected])
+    assert [[top.token for top in entry.top_logprobs] for entry in part.logprobs] == [
+        [top.token for top in entry.top_logprobs] for entry in expected
+    ]
+    assert bytes(b for entry in part.logprobs for b in entry.bytes).decode() == response.output_text

@@ -5,6 +5,12 @@ written as output items: a `message` item (one `output_text` part) for each run 
 `function_call` item for each call. An answer with neither is one message with empty text, so
 every answer has an item to read.
 
+With `include: ["message.output_text.logprobs"]` (or `top_logprobs`), each token's
+log-probability comes with the text it produced: on its `response.output_text.delta` (token,
+logprob, top_logprobs) and in the message's `output_text` part (with each token's bytes, as
+chat's logprobs). Text the tool-call reader holds back carries its tokens' log-probabilities to
+the text sent after it; the tokens of a call have none, as on chat's `tool_calls`.
+
 A stream says, in OpenAI's event names (each `event: NAME` and `data: {..., "sequence_number"}`):
 
     response.created, response.in_progress
@@ -56,16 +62,24 @@ class _Output:
     """A response's output items, built from its text as it is generated: each piece of text
     hands back the events that say what it added."""
 
-    def __init__(self, identity: Identity) -> None:
+    def __init__(self, identity: Identity, *, logprobs: bool) -> None:
         calling = identity.tool_calling
         self._reader = ToolCallReader(calling) if calling is not None else None
+        self._token_bytes = identity.token_bytes
+        self._logprobs = logprobs
+        self._pending: list[TokenLogprobs] = []
+        """Log-probabilities of steps whose text has not been sent yet (held back by the reader)."""
+        self._message_logprobs: list[TokenLogprobs] = []
+        """The open message's."""
         self.items: list[dict[str, object]] = []
         """The items written so far, the open one last."""
         self._open: dict[str, object] | None = None
         self._written = ""
         """The open item's text (a message) or arguments (a call) so far."""
 
-    def feed(self, text: str) -> list[Event]:
+    def feed(self, text: str, logprobs: Sequence[TokenLogprobs] = ()) -> list[Event]:
+        if self._logprobs:
+            self._pending += logprobs
         if self._reader is not None:
             return self._apply(self._reader.feed(text) if text else [])
         return self._apply([ContentDelta(text)] if text else [])
@@ -74,6 +88,9 @@ class _Output:
         events = self._apply(self._reader.finish()) if self._reader is not None else []
         if not self.items:
             events += self._open_message()
+        if self._open is not None and self._open["type"] == "message":
+            self._message_logprobs += self._pending  # text the reader held back, sent as the last text
+        self._pending = []
         return events + self._close("incomplete" if incomplete else "completed")
 
     def _apply(self, deltas: Sequence[ReaderDelta]) -> list[Event]:
@@ -83,13 +100,15 @@ class _Output:
                 if self._open is None or self._open["type"] != "message":
                     events += self._close("completed") + self._open_message()
                 self._written += delta.text
+                carried, self._pending = self._pending, []
+                self._message_logprobs += carried
                 events.append(
                     {
-                        **self._at(),
                         "type": "response.output_text.delta",
+                        **self._at(),
                         "content_index": 0,
                         "delta": delta.text,
-                        "logprobs": [],
+                        "logprobs": [self._streamed_logprob(item) for item in carried],
                     }
                 )
             elif isinstance(delta, CallDelta) and delta.id:
@@ -155,14 +174,14 @@ class _Output:
         at = self._at()
         events: list[Event] = []
         if item["type"] == "message":
-            part = _text_part(self._written)
+            part = _text_part(self._written, [self._logprob(item) for item in self._message_logprobs])
             events.append(
                 {
-                    **at,
                     "type": "response.output_text.done",
+                    **at,
                     "content_index": 0,
                     "text": self._written,
-                    "logprobs": [],
+                    "logprobs": [self._streamed_logprob(item) for item in self._message_logprobs],
                 }
             )
             events.append({"type": "response.content_part.done", **at, "content_index": 0, "part": part})
@@ -170,8 +189,8 @@ class _Output:
         else:
             events.append(
                 {
-                    **at,
                     "type": "response.function_call_arguments.done",
+                    **at,
                     "name": item["name"],
                     "arguments": self._written,
                 }
@@ -184,9 +203,30 @@ class _Output:
         self._open = None
         return events
 
+    def _logprob(self, item: TokenLogprobs) -> dict[str, object]:
+        """A token's log-probability in a message's content: with its bytes, as chat's are."""
+        return {
+            "token": item.token,
+            "logprob": item.logprob,
+            "bytes": list(self._token_bytes(item.token_id)),
+            "top_logprobs": [
+                {"token": text, "logprob": logprob, "bytes": list(self._token_bytes(token_id))}
+                for token_id, text, logprob in item.top
+            ],
+        }
 
-def _text_part(text: str) -> dict[str, object]:
-    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+    @staticmethod
+    def _streamed_logprob(item: TokenLogprobs) -> dict[str, object]:
+        """A token's log-probability on a text event (OpenAI's events carry no bytes)."""
+        return {
+            "token": item.token,
+            "logprob": item.logprob,
+            "top_logprobs": [{"token": text, "logprob": logprob} for _, text, logprob in item.top],
+        }
+
+
+def _text_part(text: str, logprobs: list[dict[str, object]] | None = None) -> dict[str, object]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}
 
 
 def response_object(
@@ -226,8 +266,8 @@ def _status(result: GenerationResult) -> str:
 
 def whole_response(identity: Identity, parsed: ParsedRequest, result: GenerationResult) -> bytes:
     """The response object of a request that did not stream: what its stream would end with."""
-    output = _Output(identity)
-    output.feed(result.text)
+    output = _Output(identity, logprobs=parsed.spec.logprobs)
+    output.feed(result.text, result.logprobs)
     status = _status(result)
     output.finish(incomplete=status == "incomplete")
     return json.dumps(response_object(identity, parsed, status, output.items, result)).encode()
@@ -239,7 +279,7 @@ class ResponseEventWriter:
     def __init__(self, identity: Identity, parsed: ParsedRequest) -> None:
         self._identity = identity
         self._parsed = parsed
-        self._output = _Output(identity)
+        self._output = _Output(identity, logprobs=parsed.spec.logprobs)
         self._sequence = 0
 
     def opening(self) -> bytes:
@@ -249,7 +289,7 @@ class ResponseEventWriter:
         )
 
     def tokens(self, text: str, logprobs: Sequence[TokenLogprobs], index: int = 0) -> bytes:
-        return b"".join(self._frame(event) for event in self._output.feed(text))
+        return b"".join(self._frame(event) for event in self._output.feed(text, logprobs))
 
     def closing(self, result: GenerationResult) -> bytes:
         status = _status(result)

@@ -126,11 +126,8 @@ def parse_responses(body: bytes, headers: Mapping[str, str], request_id: str) ->
         raise bad(
             "background", "background responses are not served: nothing is stored to poll; stream instead"
         )
-    _include(fields.get("include"))
-    if optional(fields, "top_logprobs", int):
-        raise bad(
-            "top_logprobs", "log-probabilities are not served on /v1/responses; use /v1/chat/completions"
-        )
+    top_logprobs = optional(fields, "top_logprobs", int) or 0
+    logprobs = _include(fields.get("include")) or top_logprobs > 0  # alternatives imply the chosen
     stream = optional(fields, "stream", bool) or False
     _stream_options(fields.get("stream_options"), stream=stream)
     instructions = fields.get("instructions")
@@ -154,6 +151,8 @@ def parse_responses(body: bytes, headers: Mapping[str, str], request_id: str) ->
         tool_choice=choice,
         parallel_tool_calls=parallel,
         response_format=response_format,
+        logprobs=logprobs,
+        top_logprobs=top_logprobs,
     )
     spec = sampled(fields, headers, spec)
     metadata = fields.get("metadata")
@@ -168,6 +167,7 @@ def parse_responses(body: bytes, headers: Mapping[str, str], request_id: str) ->
         "tools": tools_echo,
         "text": text_echo,
         "truncation": fields.get("truncation") or "disabled",
+        "top_logprobs": top_logprobs,
     }
     ignored = set_but_ignored(fields, IGNORED)
     if isinstance(fields.get("text"), dict) and fields["text"].get("verbosity") is not None:
@@ -176,7 +176,7 @@ def parse_responses(body: bytes, headers: Mapping[str, str], request_id: str) ->
         spec,
         chat=True,
         stream=stream,
-        renames={"max_new_tokens": "max_output_tokens", **HEADER_RENAMES},
+        renames={"max_new_tokens": "max_output_tokens", "logprobs": "include", **HEADER_RENAMES},
         idempotency_key=headers.get(IDEMPOTENCY_HEADER) or None,
         ignored=ignored,
         paths={
@@ -282,19 +282,16 @@ def _string(item: Mapping[str, Any], name: str, where: str) -> str:
     return value
 
 
-def _include(value: Any) -> None:
+def _include(value: Any) -> bool:
+    """Whether `include` asks for the output's log-probabilities."""
     if value is None:
-        return
+        return False
     if not isinstance(value, list):
         raise bad("include", "must be a list")
     for index, entry in enumerate(value):
-        if entry == LOGPROBS_INCLUDE:
-            raise bad(
-                f"include[{index}]",
-                "log-probabilities are not served on /v1/responses; use /v1/chat/completions",
-            )
-        if entry not in INCLUDABLE:
+        if not isinstance(entry, str) or (entry != LOGPROBS_INCLUDE and entry not in INCLUDABLE):
             raise bad(f"include[{index}]", "not a value OpenAI's API defines")
+    return LOGPROBS_INCLUDE in value
 
 
 def _stream_options(value: Any, *, stream: bool) -> None:
