@@ -12,6 +12,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from tokenwire.server.adapter_loading import load_adapters
 from tokenwire.server.api import errors
 from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.chat import chat_prompts
@@ -251,9 +252,14 @@ class TokenwireServer:
             max_batch_size=settings.engine.max_batch_size,
             max_context_length=settings.max_context_length,
             session=SessionSettings(device=settings.device, intra_op_threads=settings.intra_op_threads),
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
         )
         for source in settings.models:
             loaded = await asyncio.to_thread(load_model, source.path, load_settings, name=source.name)
+            # The adapters go on the first model, before its warm-up and before any request.
+            loras = settings.loras if source is settings.models[0] else ()
+            adapters = await asyncio.to_thread(load_adapters, loaded, loras)
             await asyncio.to_thread(warm_up, loaded.runner)
             if self._wrap_model is not None:
                 loaded = self._wrap_model(loaded)
@@ -286,8 +292,9 @@ class TokenwireServer:
                 chat,
                 settings.limits,
                 ToolCallFormat.JSON if template is None else template.tool_format,
+                adapters=frozenset(adapter.name for adapter in adapters),
             )
-            self.registry.add(ServedModel(loaded, engine, validator))
+            self.registry.add(ServedModel(loaded, engine, validator, adapters))
         self.lifecycle.enter(ServingPhase.SERVING)
 
     async def drain(self, timeout: float) -> bool:

@@ -1,4 +1,5 @@
-"""The served models by name, each with its engine, request validator and loaded model files."""
+"""The served models by name, each with its engine, request validator, loaded model files and
+LoRA adapters."""
 
 from __future__ import annotations
 
@@ -11,10 +12,24 @@ from tokenwire.server.models.loader import LoadedModel
 
 
 @dataclass(frozen=True)
+class ServedAdapter:
+    """A LoRA adapter served on a model, as ListModels and /v1/models describe it."""
+
+    name: str
+    base: str
+    rank: int
+    source: str
+    """"peft" or "gguf": the format it was read from."""
+    memory_bytes: int
+    """What its slot of the adapter stacks takes."""
+
+
+@dataclass(frozen=True)
 class ServedModel:
     model: LoadedModel
     engine: Engine
     validator: RequestValidator
+    adapters: tuple[ServedAdapter, ...] = ()
 
     @property
     def name(self) -> str:
@@ -31,6 +46,20 @@ class ModelRegistry:
         if served.name in self._models:
             raise ValueError(f"two models are named {served.name!r}")
         self._models[served.name] = served
+
+    def route(self, model: str, adapter: str) -> tuple[str, str]:
+        """(model, adapter) for a request that names an adapter where a model goes, as vLLM's
+        OpenAI edge takes it: `base:adapter`, or an adapter's name alone. A name that is a model's
+        is that model; anything else is left for `resolve` and the validator to refuse."""
+        if adapter or not model or model in self._models:
+            return model, adapter
+        base, sep, named = model.partition(":")
+        if sep and base in self._models:
+            return base, named
+        for served in self._models.values():
+            if any(a.name == model for a in served.adapters):
+                return served.name, model
+        return model, adapter
 
     def resolve(self, name: str) -> ServedModel:
         if not name:

@@ -5,6 +5,9 @@ Two layouts are recognised by their files and graph inputs:
   served by SharedKvRunner.
 - "optimum": a Hugging Face Optimum export (model.onnx with past_key_values inputs, config.json),
   served by OptimumRunner.
+
+A graph with LoRA sites (built with them: model_tools/convert/lora_graph.py) gets its adapter
+stacks here, sized by the settings' adapter bounds, empty until adapters are loaded into them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import onnxruntime as ort
+
+from tokenwire.server.models.adapters import AdapterStacks, LoraLayout
 from tokenwire.server.models.optimum_runner import OptimumRunner
 from tokenwire.server.models.runner import ModelInfo, ModelRunner
 from tokenwire.server.models.session import SessionSettings, choose_provider, create_session, ort_device_name
@@ -39,6 +45,10 @@ class LoadSettings:
     max_context_length: int = 2048
     """Upper bound on a sequence's length; the preallocated KV cache is sized from it."""
     session: SessionSettings = field(default_factory=SessionSettings)
+    max_loras: int = 4
+    """Adapter slots of a graph with LoRA sites: the most adapters loaded at once."""
+    max_lora_rank: int = 16
+    """The largest adapter rank the stacks hold."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,9 @@ class LoadedModel:
     runner: ModelRunner
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
+    adapters: AdapterStacks | None = None
+    """The adapter stacks of a graph with LoRA sites; None: the graph takes no adapters."""
+    directory: Path | None = None
 
 
 def detect_format(model_dir: Path) -> str:
@@ -108,10 +121,40 @@ class _Common:
             default_temperature=_default_temperature(search_defaults),
         )
 
-    def loaded(self, info: ModelInfo, runner: ModelRunner) -> LoadedModel:
+    def loaded(
+        self, info: ModelInfo, runner: ModelRunner, adapters: AdapterStacks | None, directory: Path
+    ) -> LoadedModel:
         return LoadedModel(
-            info=info, runner=runner, tokenizer=self.tokenizer, chat_template=self.chat_template
+            info=info,
+            runner=runner,
+            tokenizer=self.tokenizer,
+            chat_template=self.chat_template,
+            adapters=adapters,
+            directory=directory,
         )
+
+    def adapter_stacks(self, session: ort.InferenceSession) -> AdapterStacks | None:
+        """Empty stacks for a graph with LoRA sites; None for one without."""
+        layout = LoraLayout.from_session(session)
+        if layout is None:
+            return None
+        settings = self.settings
+        stacks = AdapterStacks(
+            layout,
+            max_loras=settings.max_loras,
+            max_rank=settings.max_lora_rank,
+            device=self.device,
+            device_id=settings.session.device_id,
+        )
+        log.info(
+            "model %s: %d LoRA sites, adapter stacks %.1f MiB for %d adapters of rank up to %d",
+            self.name,
+            len(layout.sites),
+            stacks.nbytes / 2**20,
+            settings.max_loras,
+            settings.max_lora_rank,
+        )
+        return stacks
 
 
 def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
@@ -141,6 +184,7 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
         search_defaults=_object(config, "search", model_dir / "genai_config.json"),
     )
     info = replace(info, kv_cache_bytes=layout.cache_bytes(settings.max_batch_size, info.context_length))
+    adapters = common.adapter_stacks(session)
     runner = SharedKvRunner(
         session,
         info,
@@ -149,6 +193,7 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
         max_len=info.context_length,
         device=common.device,
         device_id=settings.session.device_id,
+        adapters=adapters,
     )
     log.info(
         "model %s: genai layout, context %d, KV cache %.1f MiB preallocated for %d slots",
@@ -157,7 +202,7 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
         info.kv_cache_bytes / 2**20,
         settings.max_batch_size,
     )
-    return common.loaded(info, runner)
+    return common.loaded(info, runner, adapters, model_dir)
 
 
 def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
@@ -178,7 +223,9 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
         search_defaults=generation,
     )
     log.info("model %s: optimum layout, context %d (KV cache grows per step)", info.name, info.context_length)
-    return common.loaded(info, OptimumRunner(session, info, common.device))
+    adapters = common.adapter_stacks(session)
+    runner = OptimumRunner(session, info, common.device, adapters=adapters)
+    return common.loaded(info, runner, adapters, model_dir)
 
 
 def _read_json(path: Path, *, required: bool = False) -> dict[str, Any]:

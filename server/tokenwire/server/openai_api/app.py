@@ -211,20 +211,23 @@ class OpenAIApp:
         if refused is not None:
             await _refuse(send, ending, refused, close=_declares_body(metadata))
             return
+        entries: dict[str, str | None] = {}
+        for served in self._registry.all():
+            entries[served.name] = None
+            entries.update((adapter.name, served.name) for adapter in served.adapters)
         if path == MODELS_PATH:
-            names = [served.name for served in self._registry.all()]
             ending.served()
-            await _respond(send, _ok(responses.models_list(names, self._created)))
+            await _respond(send, _ok(responses.models_list(list(entries.items()), self._created)))
             return
         name = path[len(MODELS_PATH) + 1 :]
-        if name not in {served.name for served in self._registry.all()}:
+        if name not in entries:
             error = GenerationError(
                 ErrorKind.NOT_FOUND, f"model {name[:256]!r} is not served here", reason="MODEL_NOT_FOUND"
             )
             await _refuse(send, ending, error)
             return
         ending.served()
-        await _respond(send, _ok(responses.model_json(name, self._created)))
+        await _respond(send, _ok(responses.model_json(name, self._created, entries[name])))
 
     def _authenticate(self, metadata: list[tuple[str, str]]) -> GenerationError | None:
         return None if self._tokens is None else self._tokens.check(metadata)
@@ -330,8 +333,10 @@ class OpenAIApp:
 
 
 def admitted_model(parsed: ParsedRequest, registry: ModelRegistry) -> str:
-    """The served model's name: the one asked for, or the default (admission resolved it)."""
-    return parsed.spec.model or registry.default.name
+    """The served model's name: the one asked for (a `base:adapter` or an adapter's name routed
+    to its base, as admission did), or the default."""
+    model, _ = registry.route(parsed.spec.model, parsed.spec.adapter)
+    return model or registry.default.name
 
 
 async def _watch_disconnect(

@@ -320,6 +320,7 @@ def _finish(
         "timeout": TIMEOUT_HEADER,
         "idempotency_key": IDEMPOTENCY_HEADER,
         "response_format": "response_format.json_schema.schema",
+        "adapter": "model",  # an adapter is named in model, as BASE:ADAPTER or ADAPTER
     }
     set_but_ignored = tuple(sorted(name for name in ignored if fields.get(name) is not None))
     key = headers.get(IDEMPOTENCY_HEADER)
