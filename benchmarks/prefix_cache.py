@@ -22,48 +22,18 @@ Each repetition runs every workload on every server, the order alternating.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import benchkit
+from bench_workloads import Workload, run_once
 
-from tokenwire.client.bench import BenchConfig, LengthDistribution, LoadLevel, RequestRecord, run_bench
+from tokenwire.client.bench import LoadLevel, RequestRecord
 from tokenwire.client.bench.stats import percentile
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
-
-
-@dataclass(frozen=True)
-class Workload:
-    name: str
-    level: LoadLevel
-    prompt: int
-    new_tokens: int
-    shared_prefix: int = 0
-    chat_turns: int = 1
-    requests: int | None = None
-    duration: float | None = None
-
-
-def run_once(target: str, workload: Workload, seed: int) -> tuple[list[RequestRecord], float]:
-    config = BenchConfig(
-        target=target,
-        levels=(workload.level,),
-        prompt_tokens=LengthDistribution(workload.prompt, workload.prompt),
-        max_new_tokens=LengthDistribution(workload.new_tokens, workload.new_tokens),
-        requests=workload.requests,
-        duration=workload.duration,
-        warmup=1,
-        seed=seed,
-        shared_prefix_tokens=workload.shared_prefix,
-        chat_turns=workload.chat_turns,
-    )
-    report = asyncio.run(run_bench(config))
-    return list(report.records[0]), report.levels[0].output_tokens_per_second
 
 
 def summarize(runs: list[tuple[list[RequestRecord], float]]) -> dict[str, float]:

@@ -14,6 +14,7 @@ import pytest
 from hypothesis import settings
 
 from tests.support.serve_process import ServeProcess, start_serve
+from tests.support.tiny_models import KV_CACHE_LOCATIONS, TinyModel
 from tokenwire.client import AsyncClient
 from tokenwire.server.app import ModelWrapper, TokenwireServer
 from tokenwire.server.config import ModelSource, ServerSettings
@@ -41,6 +42,24 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The tiny Llama in the ONNX Runtime GenAI layout (GroupQueryAttention, shared KV buffer)."""
     return create_tiny_llama(tmp_path_factory.mktemp("models") / "tiny-llama")
+
+
+RUNNERS = [("optimum", "device"), *(("genai", where) for where in KV_CACHE_LOCATIONS)]
+
+
+@pytest.fixture(params=RUNNERS, ids=lambda runner: "optimum" if runner[0] == "optimum" else "-".join(runner))
+def each_runner(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> TinyModel:
+    """Tests of what the real runners compute run once per runner: the Optimum layout, and the
+    shared-buffer layout with its KV cache in each location (the device path runs on the CPU
+    provider's memory exactly as it does on a GPU's)."""
+    layout, location = request.param
+    return TinyModel(tiny_model_dir if layout == "optimum" else tiny_llama_dir, layout, location)
+
+
+@pytest.fixture(params=KV_CACHE_LOCATIONS)
+def each_kv_location(request: pytest.FixtureRequest, tiny_llama_dir: Path) -> TinyModel:
+    """The tiny shared-buffer model with its KV cache in each location."""
+    return TinyModel(tiny_llama_dir, "genai", request.param)
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,6 @@
 """The libraries services are built on, unchanged, against a real server with the default model:
-LangChain (ChatOpenAI), LiteLLM, instructor, pydantic-ai and llama-index (OpenAILike). For each:
+LangChain (ChatOpenAI), LiteLLM, instructor, pydantic-ai and llama-index (OpenAILike), and
+LangChain's OpenAIEmbeddings. For each chat library:
 a chat, a stream, structured output in the library's default mode, and a tool-calling round trip
 (tool call -> tool result -> answer). Their versions are pinned in pyproject.toml's dev extra.
 
@@ -92,6 +93,27 @@ def test_langchain_tool_round_trip(langchain_chat: Any) -> None:
     answer = langchain_chat.invoke([question, call_message, result])
     assert isinstance(answer.content, str) and answer.content.strip()
     assert not answer.tool_calls
+
+
+def test_langchain_embeds_documents_and_a_query(api: str) -> None:
+    from langchain_openai import OpenAIEmbeddings
+
+    # check_embedding_ctx_length off: otherwise LangChain cuts texts with OpenAI's own tokenizer
+    # (tiktoken, fetched from the network) and sends its token ids, which mean nothing to another
+    # model; LangChain documents this setting for OpenAI-compatible servers.
+    embeddings = OpenAIEmbeddings(
+        base_url=api,
+        api_key="unused",
+        model=DEFAULT_MODEL_NAME,
+        check_embedding_ctx_length=False,
+        max_retries=0,
+    )
+    documents = embeddings.embed_documents(["Paris is the capital of France.", "Bananas are yellow."])
+    query = embeddings.embed_query("Paris is the capital of France.")
+    assert len(documents) == 2 and all(len(vector) == len(query) == 576 for vector in documents)
+    assert all(abs(sum(x * x for x in vector) - 1) < 1e-4 for vector in (*documents, query))
+    # The same text alone and in a batch of two: equal to the 4-bit model's batch rounding.
+    assert sum(a * b for a, b in zip(query, documents[0], strict=True)) > 0.99
 
 
 # -- LiteLLM -----------------------------------------------------------------------------------

@@ -148,14 +148,48 @@ def test_every_problem_is_reported_at_once_naming_the_setting_and_where_it_came_
             "--default-max-new-tokens: 9000 is above --max-new-tokens-cap 4096",
         ),
         (("--metrics-port", "50051"), "--metrics-port: 50051 is also the gRPC --port"),
+        (("--kv-cache-mb", "-1"), "--kv-cache-mb: must be >= 0, got -1"),
+        (("--kv-cache-mb", "lots"), "--kv-cache-mb: 'lots' is not a whole number"),
+        (("--kv-cache-location", "disk"), None),  # a choice: argparse refuses it
+        (
+            ("--kv-cache-location", "host", "--device", "cuda"),
+            "--kv-cache-location: host keeps the KV cache in host memory, which a model on --device cuda "
+            "would copy to the GPU and back every step; use device",
+        ),
     ],
 )
-def test_invalid_values_are_refused_naming_the_flag(argv: tuple[str, ...], expected: str | None) -> None:
+def test_invalid_values_are_refused_naming_the_flag(
+    argv: tuple[str, ...], expected: str | None, capsys: pytest.CaptureFixture[str]
+) -> None:
     if expected is None:
         with pytest.raises(SystemExit):
             serve_args(*argv)
+        assert f"argument {argv[0]}: invalid choice: '{argv[1]}'" in capsys.readouterr().err
         return
     assert expected in problems(*argv)
+
+
+def test_kv_cache_values_from_the_environment_and_the_file_are_refused_naming_the_flag(
+    tmp_path: Path,
+) -> None:
+    assert problems(environ={"TOKENWIRE_KV_CACHE_LOCATION": "disk"}) == (
+        "--kv-cache-location (from TOKENWIRE_KV_CACHE_LOCATION): 'disk' is not one of host, device",
+    )
+    assert problems(environ={"TOKENWIRE_KV_CACHE_MB": "a lot"}) == (
+        "--kv-cache-mb (from TOKENWIRE_KV_CACHE_MB): 'a lot' is not a whole number",
+    )
+    config = write_config(tmp_path, "kv_cache_mb = -5\n")
+    (problem,) = problems("--config", str(config))
+    assert problem.startswith("--kv-cache-mb") and "must be >= 0, got -5" in problem
+
+
+def test_the_kv_cache_settings_come_from_every_source(tmp_path: Path) -> None:
+    assert ServerSettings().kv_cache.location == "device" and ServerSettings().kv_cache.limit_bytes is None
+    config = write_config(tmp_path, 'kv_cache_location = "host"\nkv_cache_mb = 300\n')
+    from_file = load("--config", str(config))
+    assert (from_file.kv_cache.location, from_file.kv_cache.limit_bytes) == ("host", 300 * 2**20)
+    from_flags = load("--kv-cache-location", "device", environ={"TOKENWIRE_KV_CACHE_MB": "64"})
+    assert (from_flags.kv_cache.location, from_flags.kv_cache.mb) == ("device", 64)
 
 
 def test_a_broken_config_file_is_named(tmp_path: Path) -> None:

@@ -112,6 +112,8 @@ class RowCopyingRunner(FixedLogitsRunner):
     lengths: dict[int, int] = field(default_factory=dict)
     reads: list[tuple[int, int, int]] = field(default_factory=list)
     loads: list[tuple[int, int]] = field(default_factory=list)
+    copies: list[tuple[int, int, int]] = field(default_factory=list)
+    """(sequence, source, positions) of every slot-to-slot copy."""
 
     def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
         if self.lengths.get(seq_id, 0) != start:
@@ -153,6 +155,15 @@ class RowCopyingRunner(FixedLogitsRunner):
         self.lengths[seq_id] = length
         self.loads.append((seq_id, length))
         return length
+
+    def start_from_sequence(self, seq_id: int, source_id: int, positions: int) -> int:
+        if not 0 < positions <= self.lengths.get(source_id, -1) or source_id == seq_id:
+            raise RuntimeError(f"sequence {source_id} has no {positions} KV rows to copy")
+        if seq_id not in self.lengths and len(self.lengths) >= self.slots:
+            raise RuntimeError("no free KV-cache slot")
+        self.lengths[seq_id] = positions
+        self.copies.append((seq_id, source_id, positions))
+        return positions
 
 
 @dataclass

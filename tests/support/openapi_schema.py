@@ -15,6 +15,10 @@ Two readings make the document checkable with a JSON Schema validator:
   response); its chunks are CreateCompletionResponse objects, as OpenAI's SDKs type them, except
   that OpenAI's API streams `finish_reason: null` until the last chunk. `COMPLETION_CHUNK` is
   CreateCompletionResponse with that one null allowed.
+- An embeddings response asked for with `encoding_format: "base64"` (what the official SDKs ask
+  for by default) is not described either: the request documents it, the response schema has
+  only float lists. `EMBEDDINGS_BASE64` is CreateEmbeddingResponse whose embeddings are base64
+  strings instead.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ DOCUMENT = Path(__file__).parent / "openapi" / "openai-openapi-2.3.0.yml.gz"
 DOCUMENT_VERSION = "2.3.0"
 DOCUMENT_SHA256 = "a203971a0bc0cd3b903b9488e3ac40eaa161a274dfaf172c1da73eee029147a8"
 COMPLETION_CHUNK = "TokenwireCompletionStreamChunk"
+EMBEDDINGS_BASE64 = "TokenwireEmbeddingBase64Response"
 
 CHAT_COMPLETION = "CreateChatCompletionResponse"
 CHAT_CHUNK = "CreateChatCompletionStreamResponse"
@@ -41,6 +46,7 @@ COMPLETION = "CreateCompletionResponse"
 ERROR = "ErrorResponse"
 MODELS = "ListModelsResponse"
 MODEL = "Model"
+EMBEDDINGS = "CreateEmbeddingResponse"
 
 
 @functools.cache
@@ -58,6 +64,11 @@ def document() -> dict[str, Any]:
         "anyOf": [finish, {"type": "null"}]
     }
     converted[COMPLETION_CHUNK] = chunk
+    base64_embedding = copy.deepcopy(converted["Embedding"])
+    base64_embedding["properties"]["embedding"] = {"type": "string", "contentEncoding": "base64"}
+    base64_response = copy.deepcopy(converted[EMBEDDINGS])
+    base64_response["properties"]["data"]["items"] = base64_embedding
+    converted[EMBEDDINGS_BASE64] = base64_response
     return {"components": {"schemas": converted}}
 
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import itertools
 from collections import defaultdict
-from pathlib import Path
 
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.engine.engine import Engine, EngineConfig
 from tokenwire.server.engine.types import (
     ANONYMOUS,
@@ -22,8 +22,6 @@ from tokenwire.server.engine.types import (
     StopConditions,
     TokensGenerated,
 )
-from tokenwire.server.models.loader import LoadSettings, load_model
-from tokenwire.server.models.session import SessionSettings
 from tokenwire.server.sampling.params import SamplingParams
 
 
@@ -31,15 +29,8 @@ class RealEngine:
     """Requests are greedy, ignore EOS and ask for log-probabilities (top 3), so two runs can be
     compared token for token and, on the shared-buffer layout, bit for bit."""
 
-    def __init__(self, model_dir: Path, config: EngineConfig) -> None:
-        loaded = load_model(
-            model_dir,
-            LoadSettings(
-                max_batch_size=config.max_batch_size,
-                max_context_length=256,
-                session=SessionSettings(device="cpu", intra_op_threads=1),
-            ),
-        )
+    def __init__(self, model: TinyModel, config: EngineConfig) -> None:
+        loaded = model.load(max_batch_size=config.max_batch_size, max_context_length=256)
         self.layout = loaded.info.format
         self.runner = loaded.runner
         self.tokenizer = loaded.tokenizer

@@ -66,6 +66,9 @@ class DelegatingRunner:
     def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
         return self._rows().start_from_kv(seq_id, blocks)
 
+    def start_from_sequence(self, seq_id: int, source_id: int, positions: int) -> int:
+        return self._rows().start_from_sequence(seq_id, source_id, positions)
+
     def _rows(self) -> KvRowAccess:
         if not isinstance(self.inner, KvRowAccess):
             raise ModelRunnerError("the wrapped runner cannot copy KV rows")

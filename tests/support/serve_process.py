@@ -57,8 +57,9 @@ def start_serve(*flags: str, log: Path | None = None) -> ServeProcess:
     raise AssertionError(f"server exited with {process.wait()} before serving")
 
 
-def serve_refused(model: Path, *, timeout: float = 120) -> subprocess.CompletedProcess[str]:
-    """`tokenwire serve --model MODEL` run to its end, for a model it must refuse to load."""
+def serve_refused(model: Path, *flags: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+    """`tokenwire serve --model MODEL [FLAGS...]` run to its end, for a model or flags it must
+    refuse to load."""
     return subprocess.run(
         [
             sys.executable,
@@ -74,6 +75,7 @@ def serve_refused(model: Path, *, timeout: float = 120) -> subprocess.CompletedP
             "--no-metrics",
             "--device",
             "cpu",
+            *flags,
         ],
         capture_output=True,
         text=True,

@@ -1438,3 +1438,143 @@ class AdapterInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
+
+@_typing.final
+class EmbedRequest(_message.Message):
+    """EmbedRequest asks for embeddings of one or more inputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MODEL_FIELD_NUMBER: _builtins.int
+    INPUTS_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    DIMENSIONS_FIELD_NUMBER: _builtins.int
+    model: _builtins.str
+    """Served model to use; empty selects the default model."""
+    request_id: _builtins.str
+    """Caller-chosen id echoed in the response; the server assigns one when empty. At most 128
+    characters.
+    """
+    dimensions: _builtins.int
+    """Floats wanted per embedding; only the model's own hidden size is served (anything else is
+    INVALID_ARGUMENT). Unset: that size.
+    """
+    @_builtins.property
+    def inputs(self) -> _containers.RepeatedCompositeFieldContainer[Global___EmbedInput]:
+        """Inputs to embed, each one text or token ids: from 1 to the server's --max-embedding-inputs
+        (default 256), each of at least one token and at most the model's context length.
+        """
+
+    def __init__(
+        self,
+        *,
+        model: _builtins.str = ...,
+        inputs: _abc.Iterable[Global___EmbedInput] | None = ...,
+        request_id: _builtins.str = ...,
+        dimensions: _builtins.int | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "dimensions", b"dimensions"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions", "dimensions", b"dimensions", "inputs", b"inputs", "model", b"model", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType__dimensions: _TypeAlias = _typing.Literal["dimensions"]  # noqa: Y015
+    _WhichOneofArgType__dimensions: _TypeAlias = _typing.Literal["_dimensions", b"_dimensions"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType__dimensions) -> _WhichOneofReturnType__dimensions | None: ...
+
+Global___EmbedRequest: _TypeAlias = EmbedRequest  # noqa: Y015
+
+@_typing.final
+class EmbedInput(_message.Message):
+    """EmbedInput is one input of an EmbedRequest."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TEXT_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_FIELD_NUMBER: _builtins.int
+    text: _builtins.str
+    """Text, tokenized by the model's tokenizer without special tokens added."""
+    @_builtins.property
+    def token_ids(self) -> Global___TokenIds:
+        """Token ids, each in [0, vocab_size)."""
+
+    def __init__(
+        self,
+        *,
+        text: _builtins.str = ...,
+        token_ids: Global___TokenIds | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["input", b"input", "text", b"text", "token_ids", b"token_ids"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["text", "token_ids"]  # noqa: Y015
+    _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
+    def WhichOneof(self, oneof_group: _WhichOneofArgType_input) -> _WhichOneofReturnType_input | None: ...
+
+Global___EmbedInput: _TypeAlias = EmbedInput  # noqa: Y015
+
+@_typing.final
+class EmbedResponse(_message.Message):
+    """EmbedResponse holds one embedding per input, in the order of EmbedRequest.inputs."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    MODEL_FIELD_NUMBER: _builtins.int
+    EMBEDDINGS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    POOLING_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The request's id (EmbedRequest.request_id, or the one the server assigned)."""
+    model: _builtins.str
+    """The served model's name."""
+    prompt_tokens: _builtins.int
+    """Tokens of all inputs together."""
+    pooling: _builtins.str
+    """How the model pools an input's hidden states: "last" (the last token's) or "mean" (of all
+    positions).
+    """
+    @_builtins.property
+    def embeddings(self) -> _containers.RepeatedCompositeFieldContainer[Global___Embedding]:
+        """One per input, in order."""
+
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        model: _builtins.str = ...,
+        embeddings: _abc.Iterable[Global___Embedding] | None = ...,
+        prompt_tokens: _builtins.int = ...,
+        pooling: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["embeddings", b"embeddings", "model", b"model", "pooling", b"pooling", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EmbedResponse: _TypeAlias = EmbedResponse  # noqa: Y015
+
+@_typing.final
+class Embedding(_message.Message):
+    """Embedding is one input's embedding."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    VALUES_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def values(self) -> _containers.RepeatedScalarFieldContainer[_builtins.float]:
+        """The vector, of unit (Euclidean) length; as many floats as the model's hidden size."""
+
+    def __init__(
+        self,
+        *,
+        values: _abc.Iterable[_builtins.float] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["values", b"values"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Embedding: _TypeAlias = Embedding  # noqa: Y015

@@ -71,6 +71,11 @@ class InferenceServiceStub:
                 request_serializer=tokenwire_dot_v1_dot_inference__service__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=tokenwire_dot_v1_dot_inference__service__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.Embed = channel.unary_unary(
+                '/tokenwire.v1.InferenceService/Embed',
+                request_serializer=tokenwire_dot_v1_dot_inference__service__pb2.EmbedRequest.SerializeToString,
+                response_deserializer=tokenwire_dot_v1_dot_inference__service__pb2.EmbedResponse.FromString,
+                _registered_method=True)
 
 
 class InferenceServiceServicer:
@@ -166,6 +171,18 @@ class InferenceServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Embed(self, request, context):
+        """Embed returns one embedding per input: the served model's last hidden states (after its
+        final norm), pooled per model (the last token, or the mean of all positions) and scaled to
+        unit length. Prefill-only work batched by the engine; no tokens are generated.
+        INVALID_ARGUMENT (with a BadRequest naming the field) for no inputs, too many, an empty or
+        too long input, a bad token id, or a model that serves no embeddings; NOT_FOUND for an
+        unknown model.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -188,6 +205,11 @@ def add_InferenceServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=tokenwire_dot_v1_dot_inference__service__pb2.ListModelsRequest.FromString,
                     response_serializer=tokenwire_dot_v1_dot_inference__service__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'Embed': grpc.unary_unary_rpc_method_handler(
+                    servicer.Embed,
+                    request_deserializer=tokenwire_dot_v1_dot_inference__service__pb2.EmbedRequest.FromString,
+                    response_serializer=tokenwire_dot_v1_dot_inference__service__pb2.EmbedResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -315,6 +337,33 @@ class InferenceService:
             '/tokenwire.v1.InferenceService/ListModels',
             tokenwire_dot_v1_dot_inference__service__pb2.ListModelsRequest.SerializeToString,
             tokenwire_dot_v1_dot_inference__service__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Embed(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tokenwire.v1.InferenceService/Embed',
+            tokenwire_dot_v1_dot_inference__service__pb2.EmbedRequest.SerializeToString,
+            tokenwire_dot_v1_dot_inference__service__pb2.EmbedResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -106,6 +106,14 @@ class InferenceServiceStub:
     """
     ListModels: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]
     """ListModels lists the served models and their limits."""
+    Embed: _grpc.UnaryUnaryMultiCallable[_inference_service_pb2.EmbedRequest, _inference_service_pb2.EmbedResponse]
+    """Embed returns one embedding per input: the served model's last hidden states (after its
+    final norm), pooled per model (the last token, or the mean of all positions) and scaled to
+    unit length. Prefill-only work batched by the engine; no tokens are generated.
+    INVALID_ARGUMENT (with a BadRequest naming the field) for no inputs, too many, an empty or
+    too long input, a bad token id, or a model that serves no embeddings; NOT_FOUND for an
+    unknown model.
+    """
 
 @_typing.type_check_only
 class InferenceServiceAsyncStub(InferenceServiceStub):
@@ -185,6 +193,14 @@ class InferenceServiceAsyncStub(InferenceServiceStub):
     """
     ListModels: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.ListModelsRequest, _inference_service_pb2.ListModelsResponse]  # type: ignore[assignment]
     """ListModels lists the served models and their limits."""
+    Embed: _aio.UnaryUnaryMultiCallable[_inference_service_pb2.EmbedRequest, _inference_service_pb2.EmbedResponse]  # type: ignore[assignment]
+    """Embed returns one embedding per input: the served model's last hidden states (after its
+    final norm), pooled per model (the last token, or the mean of all positions) and scaled to
+    unit length. Prefill-only work batched by the engine; no tokens are generated.
+    INVALID_ARGUMENT (with a BadRequest naming the field) for no inputs, too many, an empty or
+    too long input, a bad token id, or a model that serves no embeddings; NOT_FOUND for an
+    unknown model.
+    """
 
 class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
     """InferenceService generates text with language models.
@@ -285,5 +301,19 @@ class InferenceServiceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_service_pb2.ListModelsResponse, _abc.Awaitable[_inference_service_pb2.ListModelsResponse]]:
         """ListModels lists the served models and their limits."""
+
+    @_abc_1.abstractmethod
+    def Embed(
+        self,
+        request: _inference_service_pb2.EmbedRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_service_pb2.EmbedResponse, _abc.Awaitable[_inference_service_pb2.EmbedResponse]]:
+        """Embed returns one embedding per input: the served model's last hidden states (after its
+        final norm), pooled per model (the last token, or the mean of all positions) and scaled to
+        unit length. Prefill-only work batched by the engine; no tokens are generated.
+        INVALID_ARGUMENT (with a BadRequest naming the field) for no inputs, too many, an empty or
+        too long input, a bad token id, or a model that serves no embeddings; NOT_FOUND for an
+        unknown model.
+        """
 
 def add_InferenceServiceServicer_to_server(servicer: InferenceServiceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

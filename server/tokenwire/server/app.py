@@ -254,6 +254,7 @@ class TokenwireServer:
             session=SessionSettings(device=settings.device, intra_op_threads=settings.intra_op_threads),
             max_loras=settings.max_loras,
             max_lora_rank=settings.max_lora_rank,
+            kv_cache=settings.kv_cache,
         )
         for source in settings.models:
             loaded = await asyncio.to_thread(load_model, source.path, load_settings, name=source.name)

@@ -21,6 +21,7 @@ from tokenwire.server.engine.config import EngineConfig
 from tokenwire.server.engine.format_cache import FormatLimits
 from tokenwire.server.engine.types import Caller
 from tokenwire.server.engine.validation import RequestLimits
+from tokenwire.server.models.kv_settings import KvCacheSettings
 from tokenwire.server.models.runtime_check import Device
 from tokenwire.server.openai_api.settings import HttpSettings
 from tokenwire.server.security.callers import default_name
@@ -187,6 +188,7 @@ class ServerSettings:
         0, "ONNX Runtime threads per operator (0: one per core)", group=ENGINE, minimum=0
     )
     engine: EngineConfig = settings_group(EngineConfig, group=ENGINE)
+    kv_cache: KvCacheSettings = settings_group(KvCacheSettings, group=ENGINE, prefix="kv_cache_")
     limits: RequestLimits = settings_group(RequestLimits, group=ENGINE)
     formats: FormatLimits = settings_group(FormatLimits, group=ENGINE, prefix="format_")
     host: str = setting("0.0.0.0", "address to listen on", group=NETWORK, metavar="ADDRESS")
@@ -264,6 +266,11 @@ class ServerSettings:
             if not (source.path.is_dir() or is_gguf_file(source.path)):
                 problems.append(f"--model: {source.path} is neither a model directory nor a .gguf file")
         problems += self._lora_problems()
+        if self.kv_cache.location == "host" and self.device == "cuda":
+            problems.append(
+                "--kv-cache-location: host keeps the KV cache in host memory, which a model on "
+                "--device cuda would copy to the GPU and back every step; use device"
+            )
         problems += self._telemetry_problems()
         problems += self._tls_problems()
         problems += self._health_problems()

@@ -21,6 +21,7 @@ from tests.support.polling import wait_until
 from tests.support.prometheus import scrape
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
+from tests.support.tiny_models import TinyModel
 from tokenwire.client import (
     AsyncClient,
     Chunk,
@@ -123,11 +124,15 @@ async def test_a_flooding_caller_is_refused_over_its_share_while_another_caller_
 
 
 async def test_a_caller_holding_every_slot_gives_one_up_to_another_and_its_swapped_stream_loses_nothing(
-    tiny_model_dir: Path, tokens_file: Path
+    each_runner: TinyModel, tokens_file: Path
 ) -> None:
     gate = StepGate()
     settings = tiny_settings(
-        tiny_model_dir, auth=auth(tokens_file), max_batch_size=2, telemetry=TelemetrySettings(metrics_port=0)
+        each_runner.path,
+        auth=auth(tokens_file),
+        max_batch_size=2,
+        telemetry=TelemetrySettings(metrics_port=0),
+        kv_cache=each_runner.kv_cache,
     )
     long = GenerateOptions(stopping=Stopping(24, ignore_eos=True))
     prompts = ["Once upon a time", "The quick brown fox"]

@@ -15,10 +15,14 @@ import json
 import grpc
 import pytest
 
+from tests.conftest import tiny_settings
 from tests.support.events import Transcript, read_until
 from tests.support.options import greedy
 from tests.support.polling import wait_until
+from tests.support.prometheus import scrape
+from tests.support.servers import serving
 from tests.support.stepping import StepGate
+from tests.support.tiny_models import TinyModel
 from tokenwire.client import (
     AsyncClient,
     Chunk,
@@ -34,9 +38,11 @@ from tokenwire.client import (
     collect,
 )
 from tokenwire.server.app import TokenwireServer
+from tokenwire.server.config import TelemetrySettings
 from tokenwire.v1 import inference_service_pb2 as pb
 from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
+BY_MODEL = {"gen_ai_request_model": "tiny"}
 PROMPT = "Streaming lets users"
 TOKENS = 12
 
@@ -97,6 +103,33 @@ async def test_unary_n_returns_every_completion_and_counts_the_prompt_once(clien
         assert choice.text == one.text
     # n = 1 keeps its shape: the completion is the top level, no choices.
     assert one.choices == () and len(one.token_ids) == TOKENS
+
+
+async def test_four_completions_prefill_their_prompt_once_wherever_the_kv_cache_lives(
+    each_runner: TinyModel, every_log_line: io.StringIO
+) -> None:
+    telemetry = TelemetrySettings(metrics_port=0, metrics_cache_seconds=0)
+    # The prefix cache off: the prompt is prefilled once because the completions copy it.
+    settings = tiny_settings(
+        each_runner.path, telemetry=telemetry, prefix_cache_mb=0, kv_cache=each_runner.kv_cache
+    )
+    async with serving(settings) as server, AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
+        assert server.metrics_port
+        one = await client.generate(PROMPT, greedy(TOKENS))
+        before = (await scrape(server.metrics_port)).value(
+            "tokenwire_engine_prefilled_tokens_total", **BY_MODEL
+        )
+        four = await client.generate(PROMPT, with_n(greedy(TOKENS), 4))
+        after = (await scrape(server.metrics_port)).value(
+            "tokenwire_engine_prefilled_tokens_total", **BY_MODEL
+        )
+        stats = server.registry.default.engine.stats
+
+    assert before == one.prompt_tokens
+    assert after - before == four.prompt_tokens == one.prompt_tokens
+    assert stats.forked_prompt_tokens == 3 * one.prompt_tokens
+    assert [choice.token_ids for choice in four.choices] == [one.token_ids] * 4
+    assert "failed" not in every_log_line.getvalue(), "every copy of the prompt worked as it should"
 
 
 async def test_with_a_seed_completion_i_equals_one_completion_with_seed_plus_i(client: AsyncClient) -> None:

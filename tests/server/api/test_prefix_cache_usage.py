@@ -11,6 +11,7 @@ from tests.conftest import tiny_settings
 from tests.support.options import greedy
 from tests.support.prometheus import scrape
 from tests.support.servers import serving
+from tests.support.tiny_models import TinyModel
 from tokenwire.client import AsyncClient, Generation
 from tokenwire.server.config import TelemetrySettings
 
@@ -24,12 +25,13 @@ async def generate_once(port: int, prompt: list[int]) -> Generation:
 
 
 async def test_a_repeated_prefix_is_reported_as_cached_and_changes_no_output(
-    tiny_llama_dir: Path,
+    each_kv_location: TinyModel,
 ) -> None:
     telemetry = TelemetrySettings(metrics_port=0, metrics_cache_seconds=0)
-    async with serving(tiny_settings(tiny_llama_dir, prefix_cache_mb=0)) as plain:
+    model, kv_cache = each_kv_location.path, each_kv_location.kv_cache
+    async with serving(tiny_settings(model, prefix_cache_mb=0, kv_cache=kv_cache)) as plain:
         uncached = await generate_once(plain.port, [*SYSTEM, 7, 8, 9])
-    async with serving(tiny_settings(tiny_llama_dir, telemetry=telemetry)) as server:
+    async with serving(tiny_settings(model, telemetry=telemetry, kv_cache=kv_cache)) as server:
         assert server.metrics_port
         async with AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client:
             first = await client.generate([*SYSTEM, 4, 5, 6], greedy(10))

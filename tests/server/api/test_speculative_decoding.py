@@ -15,6 +15,7 @@ from tests.server.openai_api.conftest import base_url, http_settings
 from tests.support.options import greedy
 from tests.support.prometheus import scrape
 from tests.support.servers import serving
+from tests.support.tiny_models import TinyModel
 from tokenwire.client import AsyncClient, Chunk, Completed, GenerateOptions, Sampling, Stopping
 from tokenwire.server.config import TelemetrySettings
 
@@ -24,15 +25,16 @@ PROMPT = list(range(50, 70)) * 3
 
 
 async def test_a_speculating_server_gives_the_same_tokens_and_reports_its_drafts(
-    tiny_llama_dir: Path, every_log_line: io.StringIO
+    each_kv_location: TinyModel, every_log_line: io.StringIO
 ) -> None:
+    model, kv_cache = each_kv_location.path, each_kv_location.kv_cache
     async with (
-        serving(tiny_settings(tiny_llama_dir)) as plain,
+        serving(tiny_settings(model, kv_cache=kv_cache)) as plain,
         AsyncClient(f"127.0.0.1:{plain.port}", retries=False) as client,
     ):
         expected = await client.generate(PROMPT, greedy(40))
     telemetry = TelemetrySettings(metrics_port=0, metrics_cache_seconds=0)
-    settings = tiny_settings(tiny_llama_dir, speculative_tokens=4, telemetry=telemetry)
+    settings = tiny_settings(model, speculative_tokens=4, telemetry=telemetry, kv_cache=kv_cache)
     async with (
         serving(settings) as server,
         AsyncClient(f"127.0.0.1:{server.port}", retries=False) as client,

@@ -45,12 +45,29 @@ def test_n_completions_prefill_the_prompt_once_and_are_heard_as_one_request() ->
     assert result.completion_tokens == 18 and result.prompt_tokens == 40 and result.token_ids == ()
     assert sum(isinstance(e, Started) for e in h.events["r"]) == 1
     assert tokens_by_index(h, "r") == {0: 6, 1: 6, 2: 6}
-    # The model saw the prompt once; the two other completions copied its 40 rows.
+    # The model saw the prompt once; the two other completions copied its 40 rows, slot to slot
+    # from the first, which still decoded.
     stats = h.engine.stats
     assert stats.prefill_tokens == 40 and stats.forked_prompt_tokens == 80
     assert isinstance(h.runner, RowCopyingRunner)
-    assert [length for _, length in h.runner.loads] == [40, 40]
+    source = h.keys["r"]
+    assert [(source_id, length) for _, source_id, length in h.runner.copies] == [(source, 40), (source, 40)]
+    assert h.runner.loads == []
     assert h.engine.live_count == 0 and h.runner.lengths == {}
+
+
+def test_completions_whose_source_has_ended_copy_the_prompt_kept_in_host_memory() -> None:
+    # One slot: the first completion prefills, decodes and ends before the others get the slot,
+    # so its rows are gone from the cache and each follower loads the kept copy.
+    h = Harness(slots=1, queue=8, copies_rows=True, prompt_tokens=40)
+    h.submit("r", QUIET, tokens=3, n=3)
+    h.rounds(20)
+
+    (final,) = terminal(h, "r")
+    assert isinstance(final, Completed) and final.result.completion_tokens == 9
+    assert h.engine.stats.prefill_tokens == 40 and h.engine.stats.forked_prompt_tokens == 80
+    assert isinstance(h.runner, RowCopyingRunner)
+    assert h.runner.copies == [] and [length for _, length in h.runner.loads] == [40, 40]
 
 
 def test_completions_wait_for_the_prompt_they_copy_and_get_their_first_token_the_next_round() -> None:
@@ -63,14 +80,14 @@ def test_completions_wait_for_the_prompt_they_copy_and_get_their_first_token_the
     assert isinstance(h.runner, RowCopyingRunner)
     for _ in range(4):
         h.rounds(1)
-        assert h.runner.loads == [] and tokens_by_index(h, "r") == {}
+        assert h.runner.copies == [] and tokens_by_index(h, "r") == {}
     h.rounds(1)
     # The prompt is done: its completion's first token, and its second from the round's decode
     # step, which it joins at once; the others copy the prompt in the next round and do the same.
     assert tokens_by_index(h, "r") == {0: 2}
     h.rounds(1)
     assert tokens_by_index(h, "r") == {0: 3, 1: 2, 2: 2}
-    assert [length for _, length in h.runner.loads] == [40, 40]
+    assert [length for _, _, length in h.runner.copies] == [40, 40]
     h.rounds(10)
     (final,) = terminal(h, "r")
     assert isinstance(final, Completed) and final.result.completion_tokens == 12

@@ -9,11 +9,9 @@ the documented seed of completion i.
 from __future__ import annotations
 
 from dataclasses import replace
-from pathlib import Path
-
-import pytest
 
 from tests.support.real_engine import RealEngine, assert_same_output
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.engine.engine import EngineConfig
 from tokenwire.server.engine.types import GenerationResult, completion_seed
 from tokenwire.server.sampling.params import SamplingParams
@@ -22,13 +20,8 @@ PROMPT = [(i * 37 + 11) % 400 + 40 for i in range(48)]
 SAMPLED = SamplingParams(temperature=0.9, top_k=40, seed=2**64 - 2)
 
 
-@pytest.fixture(params=["optimum", "genai"])
-def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> Path:
-    return tiny_model_dir if request.param == "optimum" else tiny_llama_dir
-
-
-def engine(model_dir: Path) -> RealEngine:
-    return RealEngine(model_dir, EngineConfig(max_batch_size=4, prefix_cache_mb=0))
+def engine(each_runner: TinyModel) -> RealEngine:
+    return RealEngine(each_runner, EngineConfig(max_batch_size=4, prefix_cache_mb=0))
 
 
 def as_choice(result: GenerationResult, index: int) -> GenerationResult:
@@ -36,11 +29,13 @@ def as_choice(result: GenerationResult, index: int) -> GenerationResult:
     return replace(result, token_ids=choice.token_ids, logprobs=choice.logprobs, text=choice.text, choices=())
 
 
-def test_greedy_completions_copied_from_one_prefill_equal_a_request_of_their_own(model_dir: Path) -> None:
-    alone = engine(model_dir)
+def test_greedy_completions_copied_from_one_prefill_equal_a_request_of_their_own(
+    each_runner: TinyModel,
+) -> None:
+    alone = engine(each_runner)
     expected = alone.result(alone.submit(PROMPT, tokens=16))
 
-    forked = engine(model_dir)
+    forked = engine(each_runner)
     result = forked.result(forked.submit(PROMPT, tokens=16, n=3))
 
     assert forked.engine.stats.prefill_tokens == len(PROMPT)
@@ -50,11 +45,11 @@ def test_greedy_completions_copied_from_one_prefill_equal_a_request_of_their_own
         assert result.choices[index].text == expected.text
 
 
-def test_sampled_completion_i_equals_a_request_seeded_with_the_seed_plus_i(model_dir: Path) -> None:
-    forked = engine(model_dir)
+def test_sampled_completion_i_equals_a_request_seeded_with_the_seed_plus_i(each_runner: TinyModel) -> None:
+    forked = engine(each_runner)
     result = forked.result(forked.submit(PROMPT, tokens=16, n=3, sampling=SAMPLED))
 
-    alone = engine(model_dir)
+    alone = engine(each_runner)
     for index in range(3):
         seeded = replace(SAMPLED, seed=completion_seed(SAMPLED.seed, index))
         expected = alone.result(alone.submit(PROMPT, tokens=16, sampling=seeded))

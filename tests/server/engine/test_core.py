@@ -263,8 +263,9 @@ def test_a_row_verifies_at_most_the_drafts_the_plan_allows_and_none_without_them
     assert bench.tokens(1)[-3:] == [E, A, B] and bench.tokens(2)[-1] == E
 
 
-def test_a_forked_completion_copies_the_kept_prompt_and_samples_from_its_logits() -> None:
-    runner = fixed_runner()
+def _fork_after_keeping(runner: RowCopyingRunner) -> tuple[Bench, CompletionSet]:
+    """Prefill a two-completion group's source (its prompt kept), then fork the follower while
+    the source decodes."""
     bench = Bench(runner)
     group = CompletionSet((1, 2), shares_prompt=True)
     source, follower = bench.request(1, [B] * 6), bench.request(2, [B] * 6)
@@ -292,7 +293,28 @@ def test_a_forked_completion_copies_the_kept_prompt_and_samples_from_its_logits(
             requests={1: source, 2: follower},
         )
     )
+    return bench, group
+
+
+def test_a_forked_completion_copies_the_prompt_slot_to_slot_and_samples_from_the_kept_logits() -> None:
+    runner = fixed_runner()
+    bench, group = _fork_after_keeping(runner)
+
+    assert runner.copies == [(2, 1, 6)], "slot to slot, from the source that still holds the rows"
+    assert runner.loads == [] and [c.seq_id for c in runner.prefills] == [1]
+    assert runner.decodes[-1] == (1, 2)
+    assert bench.tokens(2) == [A, A] and group.kept is None, "its only follower copied it"
+
+
+def test_a_fork_whose_slot_copy_fails_copies_the_prompt_kept_in_host_memory() -> None:
+    runner = fixed_runner()
+
+    def refuse(seq_id: int, source_id: int, positions: int) -> int:
+        raise RuntimeError("the copy graph failed")
+
+    runner.start_from_sequence = refuse  # type: ignore[method-assign]
+    bench, group = _fork_after_keeping(runner)
 
     assert runner.loads == [(2, 6)] and [c.seq_id for c in runner.prefills] == [1]
     assert runner.decodes[-1] == (1, 2)
-    assert bench.tokens(2) == [A, A] and group.kept is None, "its only follower copied it"
+    assert bench.tokens(2) == [A, A] and group.kept is None

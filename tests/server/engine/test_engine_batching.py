@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import asyncio
-from pathlib import Path
 
 import pytest
 
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.engine.engine import Engine, EngineConfig
 from tokenwire.server.engine.types import (
     Completed,
@@ -15,8 +15,6 @@ from tokenwire.server.engine.types import (
     GenerationResult,
     StopConditions,
 )
-from tokenwire.server.models.loader import LoadSettings, load_model
-from tokenwire.server.models.session import SessionSettings
 from tokenwire.server.sampling.params import SamplingParams
 
 
@@ -46,23 +44,11 @@ async def run_all(engine: Engine, requests: list[GenerationRequest]) -> list[Gen
     return list(await asyncio.gather(*futures))
 
 
-@pytest.fixture(params=["optimum", "genai"])
-def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> Path:
-    return tiny_model_dir if request.param == "optimum" else tiny_llama_dir
-
-
 @pytest.mark.parametrize("temperature", [0.0, 0.9])
 async def test_a_sequence_gets_the_same_tokens_alone_and_in_a_busy_batch(
-    model_dir: Path, temperature: float
+    each_runner: TinyModel, temperature: float
 ) -> None:
-    loaded = load_model(
-        model_dir,
-        LoadSettings(
-            max_batch_size=4,
-            max_context_length=256,
-            session=SessionSettings(device="cpu", intra_op_threads=1),
-        ),
-    )
+    loaded = each_runner.load(max_batch_size=4, max_context_length=256)
     engine = Engine(
         loaded.runner,
         loaded.tokenizer,

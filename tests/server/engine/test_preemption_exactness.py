@@ -9,11 +9,8 @@ bit, which the log-probabilities (computed from the raw logits) show.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import pytest
-
 from tests.support.real_engine import RealEngine, assert_same_output
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.engine.engine import EngineConfig
 from tokenwire.server.engine.types import Caller
 
@@ -24,21 +21,18 @@ PROMPTS = {
 }
 
 
-@pytest.fixture(params=["optimum", "genai"])
-def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> Path:
-    return tiny_model_dir if request.param == "optimum" else tiny_llama_dir
-
-
-def engine(model_dir: Path) -> RealEngine:
+def engine(each_runner: TinyModel) -> RealEngine:
     config = EngineConfig(max_batch_size=2, prefix_cache_mb=0, batch_reserved_slots=0)
-    return RealEngine(model_dir, config)
+    return RealEngine(each_runner, config)
 
 
-def test_a_generation_swapped_out_and_back_in_generates_what_it_would_have_alone(model_dir: Path) -> None:
-    alone = engine(model_dir)
+def test_a_generation_swapped_out_and_back_in_generates_what_it_would_have_alone(
+    each_runner: TinyModel,
+) -> None:
+    alone = engine(each_runner)
     expected = {name: alone.result(alone.submit(PROMPTS[name], tokens=24, caller=FLOOD)) for name in "ab"}
 
-    busy = engine(model_dir)
+    busy = engine(each_runner)
     flood = {name: busy.submit(PROMPTS[name], tokens=24, caller=FLOOD) for name in "ab"}
     for _ in range(8):  # both decoding, some tokens in
         busy.engine.run_round()
@@ -55,7 +49,7 @@ def test_a_generation_swapped_out_and_back_in_generates_what_it_would_have_alone
 
 
 def test_a_prompt_swapped_out_mid_prefill_and_back_in_generates_what_it_would_have_alone(
-    model_dir: Path,
+    each_runner: TinyModel,
 ) -> None:
     # Prompt work is paced at one 16-token chunk a round while anything decodes, so the long
     # prompt is mid-way when the quiet caller's request arrives; the decoding one holds more rows
@@ -65,10 +59,10 @@ def test_a_prompt_swapped_out_mid_prefill_and_back_in_generates_what_it_would_ha
     )
     decoding = [(i * 31) % 400 + 40 for i in range(80)]
     long = [(i * 13 + 5) % 400 + 40 for i in range(120)]
-    alone = RealEngine(model_dir, config)
+    alone = RealEngine(each_runner, config)
     expected = alone.result(alone.submit(long, tokens=12, caller=FLOOD))
 
-    busy = RealEngine(model_dir, config)
+    busy = RealEngine(each_runner, config)
     first = busy.submit(decoding, tokens=30, caller=FLOOD)
     busy.engine.run_round()
     victim = busy.submit(long, tokens=12, caller=FLOOD)

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.real_engine import RealEngine, assert_same_output
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.engine.engine import EngineConfig
 
 BLOCK = 16
@@ -20,26 +21,23 @@ SYSTEM = [(i * 37 + 11) % 400 + 40 for i in range(50)]  # 3 full blocks and 2 to
 QUESTIONS = {name: [(i * 13 + seed) % 400 + 40 for i in range(12)] for seed, name in enumerate("abcdef")}
 
 
-@pytest.fixture(params=["optimum", "genai"])
-def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> Path:
-    return tiny_model_dir if request.param == "optimum" else tiny_llama_dir
-
-
-def engine_with(model_dir: Path, *, cache: bool, chunk: int = 256) -> RealEngine:
+def engine_with(each_runner: TinyModel, *, cache: bool, chunk: int = 256) -> RealEngine:
     config = EngineConfig(
         max_batch_size=4,
         prefill_chunk_size=chunk,
         prefix_cache_mb=8 if cache else 0,
         prefix_block_tokens=BLOCK,
     )
-    return RealEngine(model_dir, config)
+    return RealEngine(each_runner, config)
 
 
-def test_a_prompt_after_a_cached_prefix_generates_what_it_would_without_the_cache(model_dir: Path) -> None:
-    without = engine_with(model_dir, cache=False)
+def test_a_prompt_after_a_cached_prefix_generates_what_it_would_without_the_cache(
+    each_runner: TinyModel,
+) -> None:
+    without = engine_with(each_runner, cache=False)
     expected = without.generate(SYSTEM + QUESTIONS["b"])
 
-    cached = engine_with(model_dir, cache=True)
+    cached = engine_with(each_runner, cache=True)
     first = cached.generate(SYSTEM + QUESTIONS["a"])
     second = cached.generate(SYSTEM + QUESTIONS["b"])
 
@@ -48,12 +46,12 @@ def test_a_prompt_after_a_cached_prefix_generates_what_it_would_without_the_cach
     assert_same_output(second, expected, cached.layout)
 
 
-def test_cached_prefixes_give_the_same_outputs_inside_a_busy_batch(model_dir: Path) -> None:
+def test_cached_prefixes_give_the_same_outputs_inside_a_busy_batch(each_runner: TinyModel) -> None:
     prompts = [SYSTEM + QUESTIONS[name] for name in "cdef"]
-    without = engine_with(model_dir, cache=False)
+    without = engine_with(each_runner, cache=False)
     expected = [without.generate(p, tokens=12) for p in prompts]
 
-    cached = engine_with(model_dir, cache=True)
+    cached = engine_with(each_runner, cache=True)
     cached.generate(SYSTEM + QUESTIONS["a"])  # warms the cache
     busy = cached.submit(list(range(300, 360)), tokens=40)  # a stream decoding throughout
     cached.engine.run_round()
@@ -69,8 +67,8 @@ def test_cached_prefixes_give_the_same_outputs_inside_a_busy_batch(model_dir: Pa
     assert cached.result(busy).completion_tokens == 40
 
 
-def test_two_prompts_with_the_same_prefix_arriving_together_process_it_once(model_dir: Path) -> None:
-    h = engine_with(model_dir, cache=True)
+def test_two_prompts_with_the_same_prefix_arriving_together_process_it_once(each_runner: TinyModel) -> None:
+    h = engine_with(each_runner, cache=True)
     first = h.submit(SYSTEM + QUESTIONS["a"])
     second = h.submit(SYSTEM + QUESTIONS["b"])
 
@@ -81,8 +79,8 @@ def test_two_prompts_with_the_same_prefix_arriving_together_process_it_once(mode
     assert h.engine.stats.prefill_tokens == prompt_tokens - 48
 
 
-def test_a_multi_turn_chat_reuses_each_earlier_turn(model_dir: Path) -> None:
-    without, cached = engine_with(model_dir, cache=False), engine_with(model_dir, cache=True)
+def test_a_multi_turn_chat_reuses_each_earlier_turn(each_runner: TinyModel) -> None:
+    without, cached = engine_with(each_runner, cache=False), engine_with(each_runner, cache=True)
     history: list[int] = []
     for turn, name in enumerate("abc"):
         prompt = history + QUESTIONS[name]
@@ -94,16 +92,18 @@ def test_a_multi_turn_chat_reuses_each_earlier_turn(model_dir: Path) -> None:
         history = prompt + list(got.token_ids)
 
 
-def test_prompts_processed_in_small_chunks_cache_the_same_prefix(model_dir: Path) -> None:
-    h = engine_with(model_dir, cache=True, chunk=5)  # blocks complete across chunk boundaries
+def test_prompts_processed_in_small_chunks_cache_the_same_prefix(each_runner: TinyModel) -> None:
+    h = engine_with(each_runner, cache=True, chunk=5)  # blocks complete across chunk boundaries
     h.generate(SYSTEM + QUESTIONS["a"])
     again = h.generate(SYSTEM + QUESTIONS["b"])
     assert again.cached_prompt_tokens == 48
-    assert_same_output(again, engine_with(model_dir, cache=False).generate(SYSTEM + QUESTIONS["b"]), h.layout)
+    assert_same_output(
+        again, engine_with(each_runner, cache=False).generate(SYSTEM + QUESTIONS["b"]), h.layout
+    )
 
 
-def test_the_cache_reports_its_size_and_hits(model_dir: Path) -> None:
-    h = engine_with(model_dir, cache=True)
+def test_the_cache_reports_its_size_and_hits(each_runner: TinyModel) -> None:
+    h = engine_with(each_runner, cache=True)
     h.generate(SYSTEM + QUESTIONS["a"])
     h.generate(SYSTEM + QUESTIONS["b"])
 
@@ -112,12 +112,12 @@ def test_the_cache_reports_its_size_and_hits(model_dir: Path) -> None:
     assert stats.lookups == 2 and stats.hit_tokens == 48
     assert stats.prompt_tokens == 2 * len(SYSTEM + QUESTIONS["a"])
     assert 0 < stats.bytes <= stats.capacity_bytes == 8 << 20
-    assert engine_with(model_dir, cache=False).engine.prefix_cache_stats is None
+    assert engine_with(each_runner, cache=False).engine.prefix_cache_stats is None
 
 
 def test_the_cache_s_bound_is_reported_when_the_engine_starts(
     tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level("INFO", logger="tokenwire.server.engine.engine"):
-        engine_with(tiny_llama_dir, cache=True)
+        engine_with(TinyModel(tiny_llama_dir, "genai"), cache=True)
     assert any("prefix cache" in r.message and "8 MiB" in r.message for r in caplog.records)

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from pathlib import Path
 
 import numpy as np
-import pytest
 
 from tests.support.real_engine import RealEngine
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.engine.drafting import LookupSettings, propose_drafts
 from tokenwire.server.engine.engine import EngineConfig
 from tokenwire.server.engine.types import FinishReason, GenerationResult
@@ -39,14 +38,9 @@ endings can land inside accepted runs. (The models' weights are random: they do 
 prompt, but their outputs fall into loops.)"""
 
 
-@pytest.fixture(params=["optimum", "genai"])
-def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> Path:
-    return tiny_model_dir if request.param == "optimum" else tiny_llama_dir
-
-
-def engine(model_dir: Path, *, speculative_tokens: int, max_batch: int = 4) -> RealEngine:
+def engine(each_runner: TinyModel, *, speculative_tokens: int, max_batch: int = 4) -> RealEngine:
     return RealEngine(
-        model_dir,
+        each_runner,
         EngineConfig(
             max_batch_size=4,
             prefix_cache_mb=0,
@@ -67,19 +61,19 @@ def assert_same(got: GenerationResult, expected: GenerationResult) -> None:
         assert [t for t, _, _ in mine.top] == [t for t, _, _ in theirs.top]
 
 
-def test_greedy_output_alone_is_the_output_of_speculation_off(model_dir: Path) -> None:
-    off = engine(model_dir, speculative_tokens=0)
-    on = engine(model_dir, speculative_tokens=4)
+def test_greedy_output_alone_is_the_output_of_speculation_off(each_runner: TinyModel) -> None:
+    off = engine(each_runner, speculative_tokens=0)
+    on = engine(each_runner, speculative_tokens=4)
     for prompt in PROMPTS:
         assert_same(on.generate(prompt, tokens=40), off.generate(prompt, tokens=40))
     assert on.engine.stats.accepted_draft_tokens > 0
     assert on.engine.stats.decode_steps < off.engine.stats.decode_steps
 
 
-def test_greedy_output_in_a_busy_batch_is_the_output_of_speculation_off_alone(model_dir: Path) -> None:
-    off = engine(model_dir, speculative_tokens=0)
+def test_greedy_output_in_a_busy_batch_is_the_output_of_speculation_off_alone(each_runner: TinyModel) -> None:
+    off = engine(each_runner, speculative_tokens=0)
     expected = [off.generate(prompt, tokens=12 + 7 * i) for i, prompt in enumerate(PROMPTS)]
-    on = engine(model_dir, speculative_tokens=4, max_batch=4)
+    on = engine(each_runner, speculative_tokens=4, max_batch=4)
     ids = [on.submit(prompt, tokens=12 + 7 * i) for i, prompt in enumerate(PROMPTS)]
     results = [on.result(request_id) for request_id in ids]
     for request_id, got, want in zip(ids, results, expected, strict=True):
@@ -90,9 +84,11 @@ def test_greedy_output_in_a_busy_batch_is_the_output_of_speculation_off_alone(mo
     assert stats.decoded_rows > stats.decode_steps, "the verified steps held several rows"
 
 
-def test_max_new_tokens_and_stop_strings_land_where_they_do_without_speculation(model_dir: Path) -> None:
-    off = engine(model_dir, speculative_tokens=0)
-    on = engine(model_dir, speculative_tokens=4)
+def test_max_new_tokens_and_stop_strings_land_where_they_do_without_speculation(
+    each_runner: TinyModel,
+) -> None:
+    off = engine(each_runner, speculative_tokens=0)
+    on = engine(each_runner, speculative_tokens=4)
     prompt = COPYING[on.layout]
     for tokens in range(3, 24):
         assert_same(on.generate(prompt, tokens=tokens), off.generate(prompt, tokens=tokens))
@@ -169,9 +165,9 @@ def prompt_with_drafts(runner: ModelRunner, params: SamplingParams) -> list[int]
     return max(candidates, key=lambda prompt: acceptance(runner, prompt, params))
 
 
-def test_sampled_output_keeps_the_model_s_distribution(model_dir: Path) -> None:
+def test_sampled_output_keeps_the_model_s_distribution(each_runner: TinyModel) -> None:
     params = SamplingParams(temperature=1.0, top_k=3)
-    on = engine(model_dir, speculative_tokens=2, max_batch=4)
+    on = engine(each_runner, speculative_tokens=2, max_batch=4)
     prompt = prompt_with_drafts(on.runner, params)
     samples = 2000
     counts: Counter[tuple[int, ...]] = Counter()

@@ -8,38 +8,29 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tokenwire.server.models.loader import LoadSettings, load_model
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.models.runner import ModelRunner
-from tokenwire.server.models.session import SessionSettings
+from tokenwire.server.models.shared_kv_runner import SharedKvRunner
 
 PROMPTS = {1: [5, 6, 7, 8, 9], 2: [100, 200, 300], 3: list(range(20, 61)), 4: [77] * 13}
 
 RunnerFactory = Callable[[], ModelRunner]
 
 
-def settings() -> LoadSettings:
-    return LoadSettings(
-        max_batch_size=4, max_context_length=256, session=SessionSettings(device="cpu", intra_op_threads=1)
-    )
-
-
-@pytest.fixture(params=["optimum", "optimum-without-position-ids", "genai"])
+@pytest.fixture(params=["optimum", "optimum-without-position-ids", "genai-device", "genai-host"])
 def make_runner(
     request: pytest.FixtureRequest,
     tiny_model_dir: Path,
     tiny_model_without_position_ids_dir: Path,
     tiny_llama_dir: Path,
 ) -> RunnerFactory:
-    model_dir = {
-        "optimum": tiny_model_dir,
-        "optimum-without-position-ids": tiny_model_without_position_ids_dir,
-        "genai": tiny_llama_dir,
+    model = {
+        "optimum": TinyModel(tiny_model_dir, "optimum"),
+        "optimum-without-position-ids": TinyModel(tiny_model_without_position_ids_dir, "optimum"),
+        "genai-device": TinyModel(tiny_llama_dir, "genai", "device"),
+        "genai-host": TinyModel(tiny_llama_dir, "genai", "host"),
     }[request.param]
-
-    def factory() -> ModelRunner:
-        return load_model(model_dir, settings()).runner
-
-    return factory
+    return model.runner
 
 
 def decode_alone(make_runner: RunnerFactory, prompt: list[int], steps: int) -> list[np.ndarray]:
@@ -81,9 +72,8 @@ def test_joining_and_leaving_sequences_do_not_change_anyone_s_logits(make_runner
             assert int(a.argmax()) == int(b.argmax())
 
 
-def test_shared_buffer_decode_rows_are_bit_identical_to_decoding_alone(tiny_llama_dir: Path) -> None:
-    def runner() -> ModelRunner:
-        return load_model(tiny_llama_dir, settings()).runner
+def test_shared_buffer_decode_rows_are_bit_identical_to_decoding_alone(each_kv_location: TinyModel) -> None:
+    runner = each_kv_location.runner
 
     alone = {seq: decode_alone(runner, PROMPTS[seq], 8) for seq in (1, 2, 3)}
     batch = runner()
@@ -96,9 +86,9 @@ def test_shared_buffer_decode_rows_are_bit_identical_to_decoding_alone(tiny_llam
             assert np.array_equal(logits[seq], alone[seq][step]), f"sequence {seq} step {step}"
 
 
-def test_a_freed_slot_is_reused_and_the_cache_compacts(tiny_llama_dir: Path) -> None:
-    runner = load_model(tiny_llama_dir, settings()).runner
-    expected = decode_alone(lambda: load_model(tiny_llama_dir, settings()).runner, PROMPTS[3], 6)
+def test_a_freed_slot_is_reused_and_the_cache_compacts(each_kv_location: TinyModel) -> None:
+    runner = each_kv_location.runner()
+    expected = decode_alone(each_kv_location.runner, PROMPTS[3], 6)
     for seq in (1, 2):
         runner.prefill(seq, PROMPTS[seq], start=0)
     logits = runner.prefill(3, PROMPTS[3], start=0)  # third slot
@@ -107,3 +97,23 @@ def test_a_freed_slot_is_reused_and_the_cache_compacts(tiny_llama_dir: Path) -> 
         out = runner.decode([3, 2], [int(logits.argmax()), 7])
         logits = out[0].copy()
         assert np.array_equal(logits, expected[step])
+
+
+def test_positions_past_a_sequence_s_length_are_never_read(each_kv_location: TinyModel) -> None:
+    expected = decode_alone(each_kv_location.runner, PROMPTS[3], 6)
+    runner = each_kv_location.runner()
+    assert isinstance(runner, SharedKvRunner)
+    # Every position of every slot made NaN first, as memory never cleared might hold: a read
+    # past a row's length would turn its logits into NaN.
+    store = runner.kv_store
+    shape = store.geometry
+    poison = np.full((shape.tensors, shape.kv_heads, shape.positions, shape.head_dim), np.nan, shape.dtype)
+    for slot in range(shape.slots):
+        store.write(slot, [poison])
+    logits = runner.prefill(3, PROMPTS[3], start=0)
+    runner.prefill(4, PROMPTS[4], start=0)  # a neighbour of another length
+    assert np.array_equal(logits, expected[0])
+    for step in range(1, 7):
+        out = runner.decode([3, 4], [int(logits.argmax()), 7])
+        logits = out[0].copy()
+        assert np.array_equal(logits, expected[step]), f"step {step}"

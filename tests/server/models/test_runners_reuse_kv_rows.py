@@ -2,33 +2,19 @@
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from tokenwire.server.models.loader import LoadSettings, load_model
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.models.runner import KvRowAccess, ModelRunner, ModelRunnerError
-from tokenwire.server.models.session import SessionSettings
 
 PROMPT = [(i * 37 + 11) % 500 for i in range(45)]
 SHARED = 32  # the copied prefix; the rest (13 tokens) is prefilled
 STEPS = 8
 
 
-def settings() -> LoadSettings:
-    return LoadSettings(
-        max_batch_size=4, max_context_length=128, session=SessionSettings(device="cpu", intra_op_threads=1)
-    )
-
-
-@pytest.fixture(params=["optimum", "genai"])
-def model_dir(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> Path:
-    return tiny_model_dir if request.param == "optimum" else tiny_llama_dir
-
-
-def load(model_dir: Path) -> ModelRunner:
-    return load_model(model_dir, settings()).runner
+def load(model: TinyModel) -> ModelRunner:
+    return model.runner(max_batch_size=4, max_context_length=128)
 
 
 def rows_of(runner: ModelRunner) -> KvRowAccess:
@@ -43,11 +29,24 @@ def greedy(runner: ModelRunner, seq: int, first: np.ndarray, steps: int) -> list
     return logits
 
 
-def test_copied_prefix_rows_give_the_same_logits_as_prefilling_them(model_dir: Path) -> None:
-    alone = load(model_dir)
+def assert_same_logits(
+    runner: ModelRunner, got: list[np.ndarray], expected: list[np.ndarray], label: str = ""
+) -> None:
+    """The shared-buffer layout is bit-exact; left padding (Optimum) agrees to rounding."""
+    exact = runner.info.format == "genai"
+    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
+        assert int(a.argmax()) == int(b.argmax()), f"{label}step {step}"
+        if exact:
+            assert np.array_equal(a, b), f"{label}step {step}"
+        else:
+            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"{label}step {step}")
+
+
+def test_copied_prefix_rows_give_the_same_logits_as_prefilling_them(each_runner: TinyModel) -> None:
+    alone = load(each_runner)
     expected = greedy(alone, 1, alone.prefill(1, PROMPT, start=0), STEPS)
 
-    runner = load(model_dir)
+    runner = load(each_runner)
     runner.prefill(1, PROMPT[:SHARED], start=0)
     # Two blocks, as the prefix cache hands them over.
     blocks = [rows_of(runner).read_kv(1, 0, 16), rows_of(runner).read_kv(1, 16, SHARED)]
@@ -55,21 +54,14 @@ def test_copied_prefix_rows_give_the_same_logits_as_prefilling_them(model_dir: P
     assert rows_of(runner).start_from_kv(2, blocks) == SHARED
     got = greedy(runner, 2, runner.prefill(2, PROMPT[SHARED:], start=SHARED), STEPS)
 
-    # The shared-buffer layout is bit-exact; left padding (Optimum) agrees to rounding.
-    exact = runner.info.format == "genai"
-    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
-        assert int(a.argmax()) == int(b.argmax()), f"step {step}"
-        if exact:
-            assert np.array_equal(a, b), f"step {step}"
-        else:
-            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"step {step}")
+    assert_same_logits(runner, got, expected)
 
 
-def test_shared_buffer_rows_are_bit_exact_in_a_busy_batch(tiny_llama_dir: Path) -> None:
-    alone = load(tiny_llama_dir)
+def test_shared_buffer_rows_are_bit_exact_in_a_busy_batch(each_kv_location: TinyModel) -> None:
+    alone = load(each_kv_location)
     expected = greedy(alone, 1, alone.prefill(1, PROMPT, start=0), STEPS)
 
-    runner = load(tiny_llama_dir)
+    runner = load(each_kv_location)
     others = {
         7: runner.prefill(7, [3, 4, 5, 6, 7], start=0),
         8: runner.prefill(8, list(range(40, 90)), start=0),
@@ -90,8 +82,8 @@ def test_shared_buffer_rows_are_bit_exact_in_a_busy_batch(tiny_llama_dir: Path) 
         assert np.array_equal(a, b), f"step {step}"
 
 
-def test_rows_past_what_a_sequence_processed_cannot_be_read(model_dir: Path) -> None:
-    runner = load(model_dir)
+def test_rows_past_what_a_sequence_processed_cannot_be_read(each_runner: TinyModel) -> None:
+    runner = load(each_runner)
     runner.prefill(1, PROMPT[:10], start=0)
     with pytest.raises(ModelRunnerError, match=r"no .*KV rows"):
         rows_of(runner).read_kv(1, 0, 11)
@@ -99,18 +91,20 @@ def test_rows_past_what_a_sequence_processed_cannot_be_read(model_dir: Path) -> 
         rows_of(runner).read_kv(5, 0, 1)
 
 
-def test_kv_bytes_per_token_matches_the_rows_read(model_dir: Path) -> None:
-    runner = load(model_dir)
+def test_kv_bytes_per_token_matches_the_rows_read(each_runner: TinyModel) -> None:
+    runner = load(each_runner)
     runner.prefill(1, PROMPT[:10], start=0)
     rows = rows_of(runner).read_kv(1, 2, 9)
     assert rows.nbytes == 7 * rows_of(runner).kv_bytes_per_token()
 
 
-def test_a_decoding_sequence_swapped_out_and_back_in_decodes_on_as_if_it_had_stayed(model_dir: Path) -> None:
-    alone = load(model_dir)
+def test_a_decoding_sequence_swapped_out_and_back_in_decodes_on_as_if_it_had_stayed(
+    each_runner: TinyModel,
+) -> None:
+    alone = load(each_runner)
     expected = greedy(alone, 1, alone.prefill(1, PROMPT, start=0), 2 * STEPS)
 
-    runner = load(model_dir)
+    runner = load(each_runner)
     first = runner.prefill(1, PROMPT, start=0)
     runner.prefill(2, PROMPT[:20], start=0)  # a neighbour in the batch throughout
     got = [first.copy()]
@@ -129,9 +123,38 @@ def test_a_decoding_sequence_swapped_out_and_back_in_decodes_on_as_if_it_had_sta
         logits = runner.decode([2, 1], [neighbour, int(got[-1].argmax())])
         got.append(logits[1].copy())
 
-    exact = runner.info.format == "genai"
-    for step, (a, b) in enumerate(zip(got, expected, strict=True)):
-        if exact:
-            assert np.array_equal(a, b), f"step {step}"
-        else:
-            np.testing.assert_allclose(a, b, atol=1e-4, err_msg=f"step {step}")
+    assert_same_logits(runner, got, expected)
+
+
+def test_a_sequence_copied_slot_to_slot_continues_as_if_it_had_prefilled_the_rows(
+    each_runner: TinyModel,
+) -> None:
+    alone = load(each_runner)
+    expected = {
+        1: greedy(alone, 1, alone.prefill(1, PROMPT[:SHARED], start=0), STEPS),
+        2: greedy(alone, 2, alone.prefill(2, PROMPT, start=0), STEPS),
+    }
+
+    runner = load(each_runner)
+    runner.prefill(7, [3, 4, 5, 6, 7], start=0)  # another slot in use
+    logits = {1: runner.prefill(1, PROMPT[:SHARED], start=0).copy()}
+    assert rows_of(runner).start_from_sequence(2, 1, SHARED) == SHARED
+    logits[2] = runner.prefill(2, PROMPT[SHARED:], start=SHARED).copy()
+    got = {seq: [logits[seq]] for seq in (1, 2)}
+    # The source and its copy decode side by side: each as it would alone.
+    for _ in range(STEPS):
+        out = runner.decode([1, 2], [int(got[1][-1].argmax()), int(got[2][-1].argmax())])
+        got[1].append(out[0].copy())
+        got[2].append(out[1].copy())
+
+    for seq in (1, 2):
+        assert_same_logits(runner, got[seq], expected[seq], f"sequence {seq} ")
+
+
+def test_a_slot_copy_of_rows_the_source_does_not_hold_is_refused(each_runner: TinyModel) -> None:
+    runner = load(each_runner)
+    runner.prefill(1, PROMPT[:10], start=0)
+    with pytest.raises(ModelRunnerError, match=r"no .*KV rows"):
+        rows_of(runner).start_from_sequence(2, 1, 11)
+    with pytest.raises(ModelRunnerError, match=r"no .*KV rows"):
+        rows_of(runner).start_from_sequence(2, 5, 1)

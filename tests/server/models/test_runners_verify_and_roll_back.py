@@ -17,9 +17,9 @@ from typing import Protocol, cast
 import numpy as np
 import pytest
 
+from tests.support.tiny_models import TinyModel
 from tokenwire.server.models.loader import LoadSettings, load_model
 from tokenwire.server.models.runner import ModelRunner, ModelRunnerError, MultiTokenDecode
-from tokenwire.server.models.session import SessionSettings
 
 PROMPTS = {1: [5, 6, 7, 8, 9], 2: [100, 200, 300], 3: list(range(20, 61))}
 ROUNDING = 1e-4
@@ -32,20 +32,14 @@ class VerifyingRunner(ModelRunner, MultiTokenDecode, Protocol):
 RunnerFactory = Callable[[], VerifyingRunner]
 
 
-def settings(max_context_length: int = 256) -> LoadSettings:
-    return LoadSettings(
-        max_batch_size=4,
-        max_context_length=max_context_length,
-        session=SessionSettings(device="cpu", intra_op_threads=1),
-    )
+def settings(model: TinyModel, max_context_length: int = 256) -> LoadSettings:
+    return model.load_settings(max_batch_size=4, max_context_length=max_context_length)
 
 
-@pytest.fixture(params=["optimum", "genai"])
-def make_runner(request: pytest.FixtureRequest, tiny_model_dir: Path, tiny_llama_dir: Path) -> RunnerFactory:
-    model_dir = {"optimum": tiny_model_dir, "genai": tiny_llama_dir}[request.param]
-
+@pytest.fixture
+def make_runner(each_runner: TinyModel) -> RunnerFactory:
     def factory() -> VerifyingRunner:
-        return verifying(load_model(model_dir, settings()).runner)
+        return verifying(load_model(each_runner.path, settings(each_runner)).runner)
 
     return factory
 
@@ -141,10 +135,10 @@ def test_runs_of_different_lengths_share_a_call_and_each_row_gets_what_it_gets_a
             done[seq] += 1
 
 
-def test_one_token_runs_are_a_decode_step(tiny_llama_dir: Path) -> None:
+def test_one_token_runs_are_a_decode_step(each_kv_location: TinyModel) -> None:
     # On the shared buffer, one-token rows take the batched decode call: bit-identical to it.
-    decoded = load_model(tiny_llama_dir, settings()).runner
-    verified = verifying(load_model(tiny_llama_dir, settings()).runner)
+    decoded = each_kv_location.runner()
+    verified = verifying(each_kv_location.runner())
     for target in (decoded, verified):
         for seq in (1, 2):
             target.prefill(seq, PROMPTS[seq], start=0)
@@ -154,9 +148,9 @@ def test_one_token_runs_are_a_decode_step(tiny_llama_dir: Path) -> None:
         assert np.array_equal(got[row][0], expected[row])
 
 
-def test_a_run_past_the_end_of_the_cache_is_refused_before_any_work(tiny_llama_dir: Path) -> None:
-    runner = verifying(load_model(tiny_llama_dir, settings(max_context_length=16)).runner)
-    other = load_model(tiny_llama_dir, settings(max_context_length=16)).runner
+def test_a_run_past_the_end_of_the_cache_is_refused_before_any_work(each_kv_location: TinyModel) -> None:
+    runner = verifying(each_kv_location.runner(max_context_length=16))
+    other = each_kv_location.runner(max_context_length=16)
     prompt = list(range(30, 42))  # 12 of 16 positions
     runner.prefill(1, prompt, start=0)
     other.prefill(1, prompt, start=0)
@@ -184,14 +178,14 @@ def test_a_graph_without_position_ids_cannot_verify_and_says_so_at_load(
     tiny_model_without_position_ids_dir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     with caplog.at_level(logging.WARNING, logger="tokenwire.server.models.optimum_runner"):
-        runner = verifying(load_model(tiny_model_without_position_ids_dir, settings()).runner, capable=False)
+        runner = verifying(TinyModel(tiny_model_without_position_ids_dir, "optimum").runner(), capable=False)
     lines = [r.getMessage() for r in caplog.records if "speculative decoding" in r.getMessage()]
     assert len(lines) == 1
     runner.prefill(1, PROMPTS[1], start=0)
     with pytest.raises(ModelRunnerError, match="cannot append several tokens"):
         runner.decode_runs([1], [[4, 5]])
     # One-token runs still work, and a rollback still lets the sequence continue exactly.
-    fresh = load_model(tiny_model_without_position_ids_dir, settings()).runner
+    fresh = TinyModel(tiny_model_without_position_ids_dir, "optimum").runner()
     tokens, expected = plain(fresh, PROMPTS[1], 4)
     runner.release(1)
     runner.prefill(1, PROMPTS[1], start=0)

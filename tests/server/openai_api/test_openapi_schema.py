@@ -1,6 +1,7 @@
 """Every response shape of the HTTP API validates against OpenAI's published OpenAPI document
 (vendored in tests/support/openapi): chat and completions, unary and each stream chunk, with
-logprobs, n > 1 and usage, tool calls (unary and streamed), errors and the models list.
+logprobs, n > 1 and usage, tool calls (unary and streamed), errors, the models list and
+embeddings (float lists, and base64 as the SDKs ask for them by default).
 
 Plain HTTP, so what is checked is the bytes the server sent, not what an SDK made of them.
 """
@@ -18,6 +19,8 @@ from tests.support.openapi_schema import (
     CHAT_COMPLETION,
     COMPLETION,
     COMPLETION_CHUNK,
+    EMBEDDINGS,
+    EMBEDDINGS_BASE64,
     ERROR,
     MODEL,
     MODELS,
@@ -127,3 +130,21 @@ async def test_errors_and_models_follow_the_schema(http_server: TokenwireServer)
     validate(MODELS, json.loads(models.body))
     model = await request(http_server.http_port, "GET", "/v1/models/tiny")
     validate(MODEL, json.loads(model.body))
+
+
+async def test_embeddings_follow_the_schema_as_floats_and_as_base64(http_server: TokenwireServer) -> None:
+    texts = ["Name a colour", "red"]
+    for encoding, component in (("float", EMBEDDINGS), ("base64", EMBEDDINGS_BASE64)):
+        status, body = await post(
+            http_server, "/v1/embeddings", {"model": "tiny", "input": texts, "encoding_format": encoding}
+        )
+        assert status == 200
+        validate(component, json.loads(body))
+    status, body = await post(http_server, "/v1/embeddings", {"model": "tiny", "input": []})
+    assert status == 400
+    validate(ERROR, json.loads(body))
+    status, body = await post(
+        http_server, "/v1/embeddings", {"model": "tiny", "input": "red", "encoding_format": "base64"}
+    )
+    with pytest.raises(AssertionError, match="embedding"):  # base64 is not the float schema
+        validate(EMBEDDINGS, json.loads(body))

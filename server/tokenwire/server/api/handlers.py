@@ -47,6 +47,13 @@ def add_inference_service(servicer: InferenceServicer, server: grpc.aio.Server) 
             request_deserializer=tolerant(pb.ListModelsRequest.FromString, "ListModelsRequest"),
             response_serializer=pb.ListModelsResponse.SerializeToString,
         ),
+        "Embed": grpc.unary_unary_rpc_method_handler(
+            servicer.Embed,
+            request_deserializer=tolerant(
+                pb.EmbedRequest.FromString, "EmbedRequest", pb.EmbedRequest.DESCRIPTOR
+            ),
+            response_serializer=pb.EmbedResponse.SerializeToString,
+        ),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -12,6 +12,8 @@ import grpc
 from tokenwire.server.api import convert, errors
 from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.api.embed_messages import embed_response, embedding_input
+from tokenwire.server.api.embeddings import Embedder
 from tokenwire.server.api.generation_stream import GenerationStream
 from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.api.stream import StreamCaps, StreamSession
@@ -46,6 +48,7 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         self._telemetry = telemetry
         self._admission = admission
         self._caps = stream_caps or StreamCaps()
+        self._embedder = Embedder(registry)
 
     async def Generate(self, request: pb.GenerateRequest, context: Context) -> pb.GenerateResponse:  # noqa: N802
         received = self._clock()
@@ -117,6 +120,16 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
                 yield message
         except GenerationError as error:
             await errors.abort(context, error)
+
+    async def Embed(self, request: pb.EmbedRequest, context: Context) -> pb.EmbedResponse:  # noqa: N802
+        if isinstance(request, UndecodableRequest):
+            await errors.abort(context, request.error())
+        try:
+            embedded = await self._embedder.embed(embedding_input(request))
+        except GenerationError as error:
+            await errors.abort(context, error)
+            raise  # unreachable: abort raises
+        return await asyncio.to_thread(embed_response, embedded)
 
     async def ListModels(self, request: pb.ListModelsRequest, context: Context) -> pb.ListModelsResponse:  # noqa: N802
         if isinstance(request, UndecodableRequest):

@@ -68,7 +68,7 @@ class EngineConfig:
         True,
         "when every slot is busy, swap a running generation out (KV rows copied aside, resumed later "
         "with no token lost) for a more urgent request, or for a caller under its share of the slots "
-        "when another caller holds more; needs a KV cache in host memory",
+        "when another caller holds more; the rows wait in host memory, wherever the KV cache lives",
         group=ENGINE,
     )
     speculative_tokens: int = setting(

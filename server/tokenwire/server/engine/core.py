@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from tokenwire.server.engine.embedding_pass import run_embeddings
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.format_cache import invalid_format
 from tokenwire.server.engine.kv_reuse import KvReuse
@@ -58,7 +59,7 @@ from tokenwire.server.engine.types import (
 )
 from tokenwire.server.engine.verification import Describe, DraftProposer, runs_speculation, verify_run
 from tokenwire.server.models.adapters import NO_ADAPTER
-from tokenwire.server.models.runner import AdapterRunner, ModelRunner, MultiTokenDecode
+from tokenwire.server.models.runner import AdapterRunner, HiddenStates, ModelRunner, MultiTokenDecode
 from tokenwire.server.sampling.constraint import MaskWorkspace
 from tokenwire.server.sampling.logprobs import token_logprob
 from tokenwire.server.sampling.sampler import pick_tokens
@@ -136,6 +137,11 @@ class EngineCore:
         # First tokens go out now rather than after the decode step: that step's time is not
         # part of these requests' time to first token.
         self._flush()
+        if plan.embeddings:
+            # The engine queues embeddings only for a runner that has hidden states.
+            assert isinstance(self._runner, HiddenStates)
+            info = self._runner.info
+            run_embeddings(self._runner, plan.embeddings, pooling=info.pooling, max_rows=info.max_batch_size)
         self._decode(self._decode_rows(plan, outcome), plan, outcome)
         return outcome
 

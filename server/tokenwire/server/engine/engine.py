@@ -29,7 +29,8 @@ from dataclasses import dataclass, field, replace
 from tokenwire.server.engine.completions import CompletionGroup
 from tokenwire.server.engine.config import EngineConfig
 from tokenwire.server.engine.core import CoreHooks, EngineCore
-from tokenwire.server.engine.errors import ErrorKind, GenerationError
+from tokenwire.server.engine.embedding import EmbeddingJob, EmbeddingRequest, EmbeddingResult
+from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.engine.format_cache import FormatCache, invalid_format
 from tokenwire.server.engine.kv_reuse import KvReuse
 from tokenwire.server.engine.observer import EngineObserver, NullObserver
@@ -49,7 +50,7 @@ from tokenwire.server.engine.types import (
     completion_seed,
 )
 from tokenwire.server.engine.verification import runs_speculation, startup_note
-from tokenwire.server.models.runner import ModelRunner
+from tokenwire.server.models.runner import HiddenStates, ModelRunner
 from tokenwire.server.sampling.constraint import CompiledFormat, MaskWorkspace
 from tokenwire.server.text.tokenizer import Tokenizer
 
@@ -187,11 +188,7 @@ class Engine:
             self._check_accepting()
         with self._lock:
             if self._stopping:
-                raise GenerationError(
-                    ErrorKind.UNAVAILABLE,
-                    "the model's engine has stopped; retry elsewhere",
-                    reason="SHUTDOWN",
-                )
+                raise _stopped()
             # n completions count as n requests against the queue (and their caller's share).
             refusal = self._scheduler.refusal(
                 request.caller,
@@ -213,6 +210,40 @@ class Engine:
         if compiled is not None and not compiled.done():
             compiled.add_done_callback(self._format_ready)
         return RequestTicket(key=key, queue_position=position)
+
+    @property
+    def embedding_size(self) -> int:
+        """Floats in one of this model's embeddings; 0 where it serves none."""
+        return self._runner.info.embedding_size if isinstance(self._runner, HiddenStates) else 0
+
+    async def embed(self, request: EmbeddingRequest) -> EmbeddingResult:
+        """Embed a validated request's inputs in the engine's rounds (prefill-only work planned by
+        the scheduler, run on the engine thread). Raises GenerationError when it cannot be served."""
+        if not self.embedding_size:
+            raise GenerationError.invalid(
+                FieldViolation("model", f"model {self._model!r} serves no embeddings (no hidden states)")
+            )
+        if self._check_accepting is not None:
+            self._check_accepting()
+        loop = asyncio.get_running_loop()
+        settled: asyncio.Future[EmbeddingResult | GenerationError] = loop.create_future()
+
+        def deliver(result: EmbeddingResult | GenerationError) -> None:  # on the engine thread
+            with contextlib.suppress(RuntimeError):  # a closed loop: nobody is listening
+                loop.call_soon_threadsafe(_settle, settled, result)
+
+        with self._lock:
+            if self._stopping:
+                raise _stopped()
+            refusal = self._scheduler.add_embedding(EmbeddingJob(next(self._keys), request, deliver))
+            if refusal is not None:
+                self._inbox.rejected += 1
+                raise refusal
+            self._wakeup.notify()
+        result = await settled
+        if isinstance(result, GenerationError):
+            raise result
+        return result
 
     def check_room(self, caller: Caller) -> None:
         """Refuse now, before the request is validated, when the queue would refuse even the
@@ -309,7 +340,10 @@ class Engine:
             for key in self._scheduler.live_keys():
                 self._inbox.aborts.append(Abort(key, AbortReason.SHUTDOWN, requested_at_step=None))
             self._stopping = True
+            embeddings = self._scheduler.take_embeddings()
             self._wakeup.notify()
+        for job in embeddings:
+            job.deliver(_stopped())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join)
             self._thread = None
@@ -426,3 +460,16 @@ class Engine:
                 log.exception("event sink failed")
         if self._idle is not None and idle and self.live_count == 0:
             self._idle.set()
+
+
+def _stopped() -> GenerationError:
+    return GenerationError(
+        ErrorKind.UNAVAILABLE, "the model's engine has stopped; retry elsewhere", reason="SHUTDOWN"
+    )
+
+
+def _settle(
+    future: asyncio.Future[EmbeddingResult | GenerationError], result: EmbeddingResult | GenerationError
+) -> None:
+    if not future.done():  # the caller may have gone (its task cancelled)
+        future.set_result(result)

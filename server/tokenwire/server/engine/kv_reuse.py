@@ -5,11 +5,15 @@ cache (for the scheduler, when a prompt is first planned), copies a cached prefi
 request's slot instead of prefilling it, and copies a prompt's blocks into the cache as they are
 prefilled; it copies a preempted generation's rows aside and back into a slot; and it keeps a
 prompt's rows and last logits for the other completions of a request that asked for n > 1, which
-copy them into their own slots. What a request holds of all this lives in its record
-(`Request.kv`, and its group's `kept` prompt); nothing here is keyed by request.
+copy them into their own slots: straight from the source's slot while the source holds it (the
+copy stays where the cache lives, on its device), else from the kept host copy. What a request
+holds of all this lives in its record (`Request.kv`, and its group's `kept` prompt); nothing here
+is keyed by request.
 
-A runner whose cache lives on a device cannot copy rows: all of these are then off, said once at
-start (each completion prefills its prompt).
+Rows set aside (cached prefix blocks, swapped-out generations, kept prompts) are host arrays
+wherever the runner's cache lives: each is copied out of its slot once and back in on a hit, a
+resumption or a fork. A runner that cannot copy rows at all leaves all of this off, said once at
+start (each completion then prefills its prompt).
 
 Used from the engine thread only.
 """
@@ -40,6 +44,11 @@ class KeptPrompt:
     logits: np.ndarray
     """The model's logits after the prompt's last token: each follower samples its first token."""
     waiting: set[int]
+    source: int
+    """The request that prefilled the prompt."""
+    source_in_slot: bool = True
+    """Whether the source still holds the prompt's rows in a slot, for a follower to copy slot
+    to slot; once it is swapped out or has ended, followers copy `rows` instead."""
 
 
 class KvReuse:
@@ -53,27 +62,40 @@ class KvReuse:
         prefix_block_tokens: int,
         swapping: bool,
     ) -> None:
-        name = runner.info.name
+        info = runner.info
+        name = info.name
         rows = runner if isinstance(runner, KvRowAccess) and runner.kv_bytes_per_token() > 0 else None
         self._rows = rows
         self._cache: PrefixCache | None = None
         self.notes: list[str] = []
         """What was set up and what could not be, for the engine's start-up log."""
-        if prefix_cache_bytes > 0:
-            if rows is None:
+        cache_at = info.kv_cache_placement or "the runner's KV cache"
+        if rows is None and (prefix_cache_bytes > 0 or swapping):
+            self.notes.append(
+                f"prefix cache, preemption and prompt copies off for {name}: its runner cannot copy KV rows"
+            )
+        elif rows is not None:
+            per_token = rows.kv_bytes_per_token()
+            if prefix_cache_bytes > 0:
                 self.notes.append(
-                    f"prefix cache off for {name}: its runner cannot copy KV rows (a KV cache on a device)"
-                )
-            else:
-                room = prefix_cache_bytes // rows.kv_bytes_per_token()
-                self.notes.append(
-                    f"prefix cache for {name}: {prefix_cache_bytes / 2**20:.0f} MiB, room for about "
-                    f"{room} prompt tokens in blocks of {prefix_block_tokens}"
+                    f"prefix cache for {name}: up to {prefix_cache_bytes / 2**20:.0f} MiB in host memory, "
+                    f"room for about {prefix_cache_bytes // per_token} prompt tokens in blocks of "
+                    f"{prefix_block_tokens}, each block copied once out of the KV cache ({cache_at}) "
+                    "and back into a slot on a hit"
                 )
                 self._cache = PrefixCache(capacity_bytes=prefix_cache_bytes, block_tokens=prefix_block_tokens)
-        if swapping and rows is None:
+            slots = runner.capacity()
+            most = slots * info.context_length * per_token
+            if swapping:
+                self.notes.append(
+                    f"preemption for {name}: a swapped-out generation's rows wait in host memory, "
+                    f"at most {slots} at once (up to {most / 2**20:.1f} MiB), copied back into a slot "
+                    f"of the KV cache ({cache_at}) when it resumes"
+                )
             self.notes.append(
-                f"preemption off for {name}: its runner cannot copy KV rows (a KV cache on a device)"
+                f"n completions for {name}: one prefill a prompt, the others copy its rows slot to "
+                f"slot in the KV cache ({cache_at}), or from a host copy kept until each has copied "
+                f"it (at most {max(1, slots)} prompts kept at once)"
             )
         self._swapping = swapping and rows is not None
         self._kept_prompts = 0
@@ -184,6 +206,7 @@ class KvReuse:
         except Exception:
             log.exception("swapping out request %s failed; it keeps its slot", request.submitted.request_id)
             return False
+        self._source_holds_slot(request, False)
         return True
 
     def swap_in(self, request: Request) -> None:
@@ -193,6 +216,7 @@ class KvReuse:
         rows, request.kv.swapped = request.kv.swapped, None
         if rows is not None:
             self._rows.start_from_kv(request.key, [rows])
+            self._source_holds_slot(request, True)
 
     # -- forks (n completions) -------------------------------------------------------------------
 
@@ -213,20 +237,43 @@ class KvReuse:
                 request.submitted.request_id,
             )
             return False
-        group.kept = KeptPrompt(rows, logits.copy(), set(followers))
+        group.kept = KeptPrompt(rows, logits.copy(), set(followers), source=request.key)
         self._kept_prompts += 1
         return True
 
     def fork_prompt(self, request: Request) -> np.ndarray:
-        """Start follower `request` from its group's kept prompt; the logits its first token is
-        sampled from (its own copy: sampling may rewrite them). Raises on failure."""
+        """Start follower `request` from its group's prompt, slot to slot while the source holds
+        it, else from the kept host copy; the logits its first token is sampled from (its own
+        copy: sampling may rewrite them). Raises on failure."""
         assert self._rows is not None, "forks need a runner that copies KV rows"
         group = request.group
         assert group is not None and group.kept is not None, "a fork without a kept prompt"
-        self._rows.start_from_kv(request.key, [group.kept.rows])
-        logits = group.kept.logits.copy()
+        kept = group.kept
+        if not kept.source_in_slot or not self._copy_from_source(request, kept):
+            self._rows.start_from_kv(request.key, [kept.rows])
+        logits = kept.logits.copy()
         self._done_waiting(request)
         return logits
+
+    def _copy_from_source(self, request: Request, kept: KeptPrompt) -> bool:
+        assert self._rows is not None
+        try:
+            self._rows.start_from_sequence(request.key, kept.source, request.prompt_length)
+        except Exception:
+            log.exception(
+                "copying the prompt of request %s slot to slot failed; copying its kept rows instead",
+                request.submitted.request_id,
+            )
+            return False
+        return True
+
+    def _source_holds_slot(self, request: Request, holds: bool) -> None:
+        """Note whether a group's source holds its prompt's rows in a slot (swapped out or back
+        in, or ended)."""
+        group = request.group
+        kept = group.kept if group is not None else None
+        if kept is not None and kept.source == request.key:
+            kept.source_in_slot = holds
 
     def _done_waiting(self, request: Request) -> None:
         group = request.group
@@ -246,4 +293,5 @@ class KvReuse:
         if holding.prefix is not None and self._cache is not None:
             self._cache.release(holding.prefix)
         holding.swapped = None
+        self._source_holds_slot(request, False)
         self._done_waiting(request)  # a follower that ended before it copied its prompt

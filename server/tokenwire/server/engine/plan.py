@@ -15,6 +15,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
+from tokenwire.server.engine.embedding import EmbeddingJob
 from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.request import Request
 from tokenwire.server.engine.types import AbortReason, FinishReason
@@ -115,6 +116,8 @@ class RoundPlan:
     this round (their prompt's last chunk, or a forked prompt), each if it is still live then."""
     requests: dict[int, Request] = field(default_factory=dict)
     """Every request the plan names, by key."""
+    embeddings: tuple[EmbeddingJob, ...] = ()
+    """Embedding jobs run whole this round (prefill-only, no slot), before the decode step."""
 
 
 @dataclass(frozen=True)

@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import logging
 import math
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from tokenwire.server.engine.embedding import EmbeddingJob
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.fair_queue import FairQueue
 from tokenwire.server.engine.pacing import PrefillPacer, chunk_length
@@ -132,6 +133,8 @@ class Scheduler:
         self._neighbours = NeighbourBudget(config.speculation)
         self._service_seconds = 1.0
         """Moving average of start-to-finish times, for retry hints."""
+        self._embeddings: deque[EmbeddingJob] = deque()
+        """Embedding jobs waiting for a round, oldest first."""
         self._planned: RoundPlan | None = None
         """This round's plan, until its outcome is in: its progress counts unless the outcome says
         otherwise."""
@@ -159,8 +162,43 @@ class Scheduler:
         return len(self._requests)
 
     def has_work(self) -> bool:
-        """Whether a round now would do anything (a request ready to admit, or one running)."""
-        return bool(self._prefilling or self._decoding) or any(r.ready for r in self._waiting)
+        """Whether a round now would do anything (a request ready to admit, one running, or an
+        embedding queued)."""
+        return bool(self._prefilling or self._decoding or self._embeddings) or any(
+            r.ready for r in self._waiting
+        )
+
+    # -- embeddings ------------------------------------------------------------------------------
+
+    def add_embedding(self, job: EmbeddingJob) -> GenerationError | None:
+        """Queue an embedding job, or the refusal of a full queue (it then is not queued)."""
+        if len(self._embeddings) >= self._config.max_queue_size:
+            return GenerationError(
+                ErrorKind.RESOURCE_EXHAUSTED,
+                f"{len(self._embeddings)} embedding requests are queued, the most this server queues",
+                retry_after=self._service_seconds,
+                reason="QUEUE_FULL",
+            )
+        self._embeddings.append(job)
+        return None
+
+    def take_embeddings(self) -> list[EmbeddingJob]:
+        """Every queued embedding job, taken off the queue (the engine is stopping)."""
+        jobs, self._embeddings = list(self._embeddings), deque()
+        return jobs
+
+    def _embedding_work(self) -> tuple[EmbeddingJob, ...]:
+        """The jobs this round runs: oldest first while their tokens fit one prompt chunk's budget,
+        and always the oldest one (a job's inputs are bounded by the context)."""
+        planned: list[EmbeddingJob] = []
+        tokens = 0
+        while self._embeddings:
+            job = self._embeddings[0]
+            if planned and tokens + job.request.tokens > self._config.prefill_chunk_size:
+                break
+            planned.append(self._embeddings.popleft())
+            tokens += job.request.tokens
+        return tuple(planned)
 
     def running(self) -> list[Request]:
         return [*self._prefilling, *self._decoding.values()]
@@ -320,6 +358,7 @@ class Scheduler:
             prompts=tuple(prompts),
             decode=tuple(DecodeRow(r.key, limit) for r, limit in zip(rows, limits, strict=True)),
             requests=named,
+            embeddings=self._embedding_work() if admit else (),
         )
         self._planned = plan
         return plan

@@ -61,6 +61,9 @@ class RequestLimits:
     max_messages: int = setting(
         1024, "most chat messages in one request; more is INVALID_ARGUMENT", minimum=1
     )
+    max_embedding_inputs: int = setting(
+        256, "most inputs in one embedding request; more is INVALID_ARGUMENT", minimum=1
+    )
     max_format_chars: int = 65_536
     """Longest JSON Schema or grammar text."""
     max_regex_chars: int = 4096
@@ -230,6 +233,10 @@ class RequestValidator:
                 violations=(FieldViolation("adapter", "not among the adapters this caller is given"),),
                 reason="ADAPTER_NOT_ALLOWED",
             )
+
+    @property
+    def limits(self) -> RequestLimits:
+        return self._limits
 
     def tool_calling(self, spec: RequestSpec) -> ToolCalling | None:
         """How the output of a valid `spec` is read for tool calls; None: it offers none (or

@@ -21,7 +21,11 @@ from typing import Any
 import onnxruntime as ort
 
 from tokenwire.server.models.adapters import AdapterStacks, LoraLayout
+from tokenwire.server.models.hidden_states import expose_hidden_states
+from tokenwire.server.models.kv_settings import KvCacheSettings
+from tokenwire.server.models.kv_store import open_kv_store
 from tokenwire.server.models.optimum_runner import OptimumRunner
+from tokenwire.server.models.pooling import Pooling, read_pooling
 from tokenwire.server.models.runner import ModelInfo, ModelRunner
 from tokenwire.server.models.session import SessionSettings, choose_provider, create_session, ort_device_name
 from tokenwire.server.models.shared_kv_runner import SharedKvLayout, SharedKvRunner
@@ -39,6 +43,10 @@ class ModelDirectoryError(ValueError):
     """A file of the model directory is unusable; the message is one line naming file and field."""
 
 
+class KvCacheSettingError(ValueError):
+    """The KV cache cannot be had as the settings ask; the message names the flags and what would do."""
+
+
 @dataclass(frozen=True)
 class LoadSettings:
     max_batch_size: int = 8
@@ -49,6 +57,7 @@ class LoadSettings:
     """Adapter slots of a graph with LoRA sites: the most adapters loaded at once."""
     max_lora_rank: int = 16
     """The largest adapter rank the stacks hold."""
+    kv_cache: KvCacheSettings = field(default_factory=KvCacheSettings)
 
 
 @dataclass(frozen=True)
@@ -83,6 +92,7 @@ def load_model(model_dir: Path, settings: LoadSettings, *, name: str | None = No
         chat_template=chat_template,
         eos_from_tokenizer=frozenset(_named_token_ids(tokenizer, tokenizer_config, "eos_token")),
         device=ort_device_name(choose_provider(settings.session.device)),
+        pooling=read_pooling(model_dir),
     )
     if model_format == "genai":
         return _load_genai(model_dir, common)
@@ -99,6 +109,7 @@ class _Common:
     chat_template: ChatTemplate | None
     eos_from_tokenizer: frozenset[int]
     device: str
+    pooling: Pooling
 
     def info(
         self,
@@ -119,6 +130,7 @@ class _Common:
             eos_token_ids=frozenset(eos_token_ids) | self.eos_from_tokenizer,
             max_batch_size=self.settings.max_batch_size,
             default_temperature=_default_temperature(search_defaults),
+            pooling=self.pooling,
         )
 
     def loaded(
@@ -174,7 +186,8 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
     graph = _inside(
         model_dir, decoder.get("filename", "model.onnx"), "genai_config.json", "model.decoder.filename"
     )
-    session = create_session(graph, settings.session)
+    exposed = expose_hidden_states(graph)
+    session = create_session(graph, settings.session, graph=exposed.model if exposed else None)
     layout = SharedKvLayout.from_session(session, config)
     info = common.info(
         model_format="genai",
@@ -183,24 +196,46 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
         eos_token_ids=_token_ids(model_cfg.get("eos_token_id")),
         search_defaults=_object(config, "search", model_dir / "genai_config.json"),
     )
-    info = replace(info, kv_cache_bytes=layout.cache_bytes(settings.max_batch_size, info.context_length))
+    geometry = layout.geometry(settings.max_batch_size, info.context_length)
+    _check_kv_bound(geometry.bytes_per_position, info, settings)
+    try:
+        store = open_kv_store(
+            geometry,
+            settings.kv_cache.location,
+            session,
+            device=common.device,
+            device_id=settings.session.device_id,
+        )
+    except ValueError as error:
+        raise KvCacheSettingError(str(error)) from error
+    except Exception as error:  # ONNX Runtime fails an allocation (device memory) with a RuntimeError
+        raise KvCacheSettingError(
+            f"--max-batch-size {settings.max_batch_size} x --max-context-length {info.context_length}: "
+            f"setting up {geometry.total_bytes / 2**20:.1f} MiB of KV cache on {common.device} "
+            f"failed: {error}"
+        ) from error
+    info = replace(info, kv_cache_bytes=store.allocated_bytes, kv_cache_placement=store.describe())
     adapters = common.adapter_stacks(session)
     runner = SharedKvRunner(
         session,
         info,
         layout,
-        slots=settings.max_batch_size,
-        max_len=info.context_length,
-        device=common.device,
-        device_id=settings.session.device_id,
+        store,
+        hidden_output=exposed.hidden_output if exposed else None,
         adapters=adapters,
     )
+    info = runner.info
     log.info(
-        "model %s: genai layout, context %d, KV cache %.1f MiB preallocated for %d slots",
+        "model %s: genai layout, context %d, KV cache %.1f MiB (%d bytes) allocated in %s "
+        "(--kv-cache-location %s) for %d slots; its rows move by %s",
         info.name,
         info.context_length,
         info.kv_cache_bytes / 2**20,
+        info.kv_cache_bytes,
+        info.kv_cache_placement,
+        store.location,
         settings.max_batch_size,
+        "ONNX Runtime on the same device" if store.location == "device" else "NumPy",
     )
     return common.loaded(info, runner, adapters, model_dir)
 
@@ -214,7 +249,10 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
         config,
         (*context_keys, "vocab_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads"),
     )
-    session = create_session(model_dir / "model.onnx", common.settings.session)
+    exposed = expose_hidden_states(model_dir / "model.onnx")
+    session = create_session(
+        model_dir / "model.onnx", common.settings.session, graph=exposed.model if exposed else None
+    )
     info = common.info(
         model_format="optimum",
         vocab_size=config.get("vocab_size"),
@@ -222,10 +260,54 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
         eos_token_ids=_token_ids(generation.get("eos_token_id")) | _token_ids(config.get("eos_token_id")),
         search_defaults=generation,
     )
-    log.info("model %s: optimum layout, context %d (KV cache grows per step)", info.name, info.context_length)
+    info = replace(info, kv_cache_placement=f"ONNX Runtime memory on {common.device}")
     adapters = common.adapter_stacks(session)
-    runner = OptimumRunner(session, info, common.device, adapters=adapters)
-    return common.loaded(info, runner, adapters, model_dir)
+    runner = OptimumRunner(
+        session,
+        info,
+        common.device,
+        hidden_output=exposed.hidden_output if exposed else None,
+        adapters=adapters,
+    )
+    _check_kv_bound(runner.kv_bytes_per_token(), info, common.settings)
+    log.info(
+        "model %s: optimum layout, context %d, KV cache grows per step in %s (the model's own "
+        "outputs; --kv-cache-location applies to the genai layout)",
+        info.name,
+        info.context_length,
+        info.kv_cache_placement,
+    )
+    return common.loaded(runner.info, runner, adapters, model_dir)
+
+
+def _check_kv_bound(bytes_per_position: int, info: ModelInfo, settings: LoadSettings) -> None:
+    """Refuse settings whose slots of full context would need more KV cache than --kv-cache-mb,
+    saying what would fit; before the cache is allocated."""
+    limit = settings.kv_cache.limit_bytes
+    slots, positions = settings.max_batch_size, info.context_length
+    needed = bytes_per_position * slots * positions
+    if limit is None or needed <= limit:
+        return
+    capped = ", the model's own context" if positions < settings.max_context_length else ""
+    mb = settings.kv_cache.mb
+    fitting_positions = limit // (bytes_per_position * slots)
+    fitting_slots = limit // (bytes_per_position * positions)
+    shorter = (
+        f"{slots} slots of {fitting_positions} positions (--max-context-length {fitting_positions})"
+        if fitting_positions > 0
+        else f"not one position for each of {slots} slots"
+    )
+    fewer = (
+        f"{fitting_slots} slots of {positions} positions (--max-batch-size {fitting_slots})"
+        if fitting_slots > 0
+        else f"no slot of {positions} positions"
+    )
+    raise KvCacheSettingError(
+        f"--kv-cache-mb {mb}: --max-batch-size {slots} slots of {positions} positions "
+        f"(--max-context-length{capped}) need {needed / 2**20:.1f} MiB of KV cache for {info.name} "
+        f"({bytes_per_position / 2**10:.1f} KiB a position); {mb} MiB holds {shorter}, or {fewer}; "
+        f"or raise --kv-cache-mb to {-(-needed // 2**20)}"
+    )
 
 
 def _read_json(path: Path, *, required: bool = False) -> dict[str, Any]:

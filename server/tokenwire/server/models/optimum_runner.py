@@ -25,12 +25,13 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnxruntime as ort
 
 from tokenwire.server.models.adapters import NO_ADAPTER, AdapterStacks, RowAdapters
+from tokenwire.server.models.hidden_states import HiddenStatePass
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
 from tokenwire.server.models.session import FLOAT_TENSOR_TYPES, run_bound
 
@@ -106,14 +107,19 @@ class OptimumRunner:
         info: ModelInfo,
         device: str,
         *,
+        hidden_output: str | None = None,
         adapters: AdapterStacks | None = None,
     ) -> None:
+        """`hidden_output`: the graph output holding the head's input (models/hidden_states.py),
+        for embeddings; None where the graph has none. `adapters`: the stacks of a graph with
+        LoRA sites."""
         self._session = session
         self._row_adapters = RowAdapters(adapters, info.name)
-        self._info = info
         self._device = device
         self._layout = OptimumLayout.from_session(session)
         self._past_names = self._layout.kv_names("past_key_values")
+        self._hidden = HiddenStatePass.over(session, hidden_output, self._past_names, self._layout, adapters)
+        self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
         self._present_names = self._layout.kv_names("present")
         self._prefilling: dict[int, _Prefilling] = {}
         # One batch when the graph takes position_ids; otherwise one per sequence length.
@@ -140,6 +146,11 @@ class OptimumRunner:
 
     def capacity(self) -> int:
         return self._info.max_batch_size
+
+    def hidden_states(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        if self._hidden is None:
+            raise ModelRunnerError(f"{self._info.name} serves no embeddings")
+        return self._hidden.run(inputs)
 
     # -- prefill ---------------------------------------------------------------------------------
 
@@ -306,6 +317,13 @@ class OptimumRunner:
         ]
         self._prefilling[seq_id] = _Prefilling(kv=kv, length=int(rows.shape[2]))
         return int(rows.shape[2])
+
+    def start_from_sequence(self, seq_id: int, source_id: int, positions: int) -> int:
+        if source_id == seq_id or positions < 1:
+            raise ModelRunnerError(f"sequence {source_id} has no {positions} KV rows to copy")
+        # The source's rows sit in a padded batch (or its own prefill cache) that the next step
+        # replaces: a copy through the host, as a join re-pads through it anyway.
+        return self.start_from_kv(seq_id, [self.read_kv(source_id, 0, positions)])
 
     def release(self, seq_id: int) -> None:
         self._row_adapters.forget(seq_id)

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
+from tokenwire.server.models.pooling import Pooling
+
 if TYPE_CHECKING:
     from tokenwire.server.models.adapters import AdapterStacks
 
@@ -31,7 +33,13 @@ class ModelInfo:
     default_temperature: float = 0.0
     """Temperature used when a request leaves it unset (from the model's search defaults)."""
     kv_cache_bytes: int = 0
-    """Bytes preallocated for the KV cache (0 where the cache grows on demand)."""
+    """Bytes allocated for the KV cache (0 where the cache grows on demand)."""
+    kv_cache_placement: str = ""
+    """Where the KV cache lives, in words for the start-up log ("ONNX Runtime memory on cpu")."""
+    embedding_size: int = 0
+    """Floats in one embedding (the hidden size); 0 where the model serves no embeddings."""
+    pooling: Pooling = Pooling.LAST
+    """How an input's hidden states become its embedding (models/pooling.py)."""
 
 
 class ModelRunnerError(RuntimeError):
@@ -72,16 +80,17 @@ class ModelRunner(Protocol):
 
 @runtime_checkable
 class KvRowAccess(Protocol):
-    """A runner whose KV rows can be copied out and back in: for prefix caching, and to swap a
-    preempted sequence out of its slot and back in.
+    """A runner whose KV rows can be copied out and back in, and from one sequence to another:
+    for prefix caching, to swap a preempted sequence out of its slot and back in, and for the
+    completions of one prompt.
 
-    Rows are one array [kv tensors, kv_heads, positions, head_dim] in the model's KV dtype. A
-    sequence started from copied rows continues with `prefill(start=rows)` and decodes exactly
-    as if it had processed those positions itself.
+    Rows copied out are one host array [kv tensors, kv_heads, positions, head_dim] in the model's
+    KV dtype, wherever the cache itself lives. A sequence started from copied rows continues with
+    `prefill(start=rows)` and decodes exactly as if it had processed those positions itself.
     """
 
     def kv_bytes_per_token(self) -> int:
-        """Bytes of KV one position takes; 0 where rows cannot be copied (a device cache)."""
+        """Bytes of KV one position takes; 0 where rows cannot be copied."""
         ...
 
     def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
@@ -91,6 +100,12 @@ class KvRowAccess(Protocol):
 
     def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
         """Start a sequence whose first positions are `blocks`, concatenated; returns their count."""
+        ...
+
+    def start_from_sequence(self, seq_id: int, source_id: int, positions: int) -> int:
+        """Start a sequence whose first positions are a copy of the first `positions` of live
+        sequence `source_id`'s, copied where the cache lives (slot to slot, no host copy);
+        returns `positions`. Raises ModelRunnerError when the source does not hold them."""
         ...
 
 
@@ -149,4 +164,15 @@ class AdapterRunner(Protocol):
 
     def assign_adapters(self, seq_ids: Sequence[int], adapters: Sequence[int]) -> None:
         """Give each sequence its adapter slot for the calls to come (`decode_runs`)."""
+        ...
+
+
+@runtime_checkable
+class HiddenStates(Protocol):
+    """A runner that can return its model's last hidden states, for embeddings."""
+
+    def hidden_states(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        """Each input's hidden states after the final norm, [len(input), hidden] float32, from a
+        stateless pass (no sequence is created, no KV slot taken). Raises ModelRunnerError where
+        the model has none (`ModelInfo.embedding_size` 0)."""
         ...

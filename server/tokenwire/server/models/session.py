@@ -59,7 +59,11 @@ def run_bound(session: ort.InferenceSession, binding: ort.IOBinding) -> None:
         raise ModelRunnerError(f"model step failed: {error}") from error
 
 
-def create_session(model_path: Path, settings: SessionSettings) -> ort.InferenceSession:
+def create_session(
+    model_path: Path, settings: SessionSettings, *, graph: bytes | None = None
+) -> ort.InferenceSession:
+    """A session over `model_path`, or over `graph` (that file's graph, rewritten) whose external
+    weights are read from the file's directory."""
     provider = choose_provider(settings.device)
     options = ort.SessionOptions()
     options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
@@ -76,6 +80,35 @@ def create_session(model_path: Path, settings: SessionSettings) -> ort.Inference
         providers = [(CUDA_PROVIDER, {"device_id": settings.device_id}), CPU_PROVIDER]
     else:
         providers = [CPU_PROVIDER]
-    session = ort.InferenceSession(str(model_path), sess_options=options, providers=providers)
+    model: str | bytes = str(model_path)
+    if graph is not None:
+        model = graph
+        options.add_session_config_entry(
+            "session.model_external_initializers_file_folder_path", str(model_path.parent)
+        )
+    session = ort.InferenceSession(model, sess_options=options, providers=providers)
     log.info("loaded %s on %s", model_path.name, session.get_providers()[0])
     return session
+
+
+def companion_session(model: bytes, beside: ort.InferenceSession) -> ort.InferenceSession:
+    """A session for a small helper graph (`model`, serialized) on exactly the execution
+    providers and provider options of `beside`, so it runs on the same device.
+
+    Graph optimizations are off: a helper graph is a few nodes whose inputs and outputs are bound
+    to memory the caller owns, and it must run as written. It runs on the calling thread alone
+    (one intra-op thread): a pool of its own would only compete with the model's threads for the
+    cores, for copies that memory bandwidth, not arithmetic, bounds."""
+    options = ort.SessionOptions()
+    options.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    options.intra_op_num_threads = 1
+    options.inter_op_num_threads = 1
+    options.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    providers = beside.get_providers()
+    provider_options = beside.get_provider_options()
+    return ort.InferenceSession(
+        model,
+        sess_options=options,
+        providers=providers,
+        provider_options=[provider_options.get(provider, {}) for provider in providers],
+    )

@@ -9,19 +9,23 @@ sequence decoded alone.
 
 A prompt cannot share a model call with decode rows, so prefill runs as its own batch-1 call
 bound straight onto the sequence's slot. Decode runs over the slot prefix [0, n): slots are
-handed out lowest first and, on the CPU, the highest sequence moves down into a freed slot, so
-idle rows do not cost compute.
+handed out lowest first and the highest sequence moves down into a freed slot, so idle rows do
+not cost compute.
 
-A slot's first positions can be copied out (`read_kv`) and into a new sequence's slot
-(`start_from_kv`), which is how a cached prompt prefix replaces a prefill. The copy is exact:
-positions computed in prompt chunks of two or more tokens are bit-identical whichever chunks
-they came in (a one-token chunk takes another kernel path and differs in the last bits).
+The buffers and every copy of their rows belong to a KV store (kv_store.py): ONNX Runtime memory
+on the model's device, moved by ONNX Runtime there, or NumPy memory on the host. A slot's first
+positions can be copied out to the host (`read_kv`), from the host into a new sequence's slot
+(`start_from_kv`), which is how a cached prompt prefix replaces a prefill, and from one slot
+into another (`start_from_sequence`). The copies are exact: positions computed in prompt chunks
+of two or more tokens are bit-identical whichever chunks they came in (a one-token chunk takes
+another kernel path and differs in the last bits).
 
 Several tokens can be appended to a decoding sequence for verifying drafts (`decode_runs`):
 one-token rows share the batched decode call, and each longer run is a batch-1 call on its
 slot, since GroupQueryAttention takes several new positions with a past only at batch size 1.
 A run's positions take the several-row kernels, so they equal one-token decode to rounding,
-not bitwise. `rollback` only shortens the slot's length: positions past it are never read.
+not bitwise. `rollback` only shortens the slot's length, moving no row on any device: positions
+past it are never read, and the next step writes over them.
 
 A graph with LoRA sites also reads the adapter stacks (bound once per binding: loads rewrite
 them in place) and `lora_index`, each row's adapter slot: every sequence keeps the slot its
@@ -31,14 +35,16 @@ last prefill or decode gave it, and rows of free slots ride along with none.
 from __future__ import annotations
 
 import heapq
-import mmap
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnxruntime as ort
 
 from tokenwire.server.models.adapters import LORA_INDEX, NO_ADAPTER, AdapterStacks, RowAdapters
+from tokenwire.server.models.hidden_states import HiddenStatePass
+from tokenwire.server.models.kv_copy import KvGeometry
+from tokenwire.server.models.kv_store import KvStore, rows_length
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
 from tokenwire.server.models.session import FLOAT_TENSOR_TYPES, run_bound
 
@@ -84,9 +90,9 @@ class SharedKvLayout:
         head_dim = int(str(decoder.get("head_size", first.shape[3])))
         return cls(layers, kv_heads, head_dim, kv_dtype, past, present, logits_dtype)
 
-    def cache_bytes(self, slots: int, max_len: int) -> int:
-        """Bytes of the preallocated KV cache for `slots` sequences of up to `max_len` tokens."""
-        return 2 * self.layers * slots * self.kv_heads * max_len * self.head_dim * self.kv_dtype.itemsize
+    def geometry(self, slots: int, max_len: int) -> KvGeometry:
+        """The preallocated KV cache for `slots` sequences of up to `max_len` tokens."""
+        return KvGeometry(len(self.past_names), slots, self.kv_heads, max_len, self.head_dim, self.kv_dtype)
 
 
 def _section(config: dict[str, object], key: str) -> dict[str, object]:
@@ -94,47 +100,6 @@ def _section(config: dict[str, object], key: str) -> dict[str, object]:
     if not isinstance(value, dict):
         raise ValueError(f"genai_config.json: {key!r} must be an object")
     return value
-
-
-def _lazy_zeros(shape: tuple[int, ...], dtype: np.dtype[np.floating]) -> np.ndarray:
-    """A zeroed array whose memory is only taken as it is written.
-
-    Anonymous mappings start as the kernel's shared zero page, so a cache sized for many slots
-    costs resident memory only for the positions sequences actually fill. (np.zeros gives the
-    same only from the main thread's malloc arena; models load in a worker thread.)
-    """
-    size = int(np.prod(shape)) * dtype.itemsize
-    return np.frombuffer(mmap.mmap(-1, max(size, 1)), dtype=dtype, count=int(np.prod(shape))).reshape(shape)
-
-
-class _KvBuffers:
-    """The preallocated cache: one [slots, kv_heads, max_len, head_dim] buffer per KV tensor."""
-
-    def __init__(self, layout: SharedKvLayout, slots: int, max_len: int, device: str, device_id: int) -> None:
-        self.shape = (slots, layout.kv_heads, max_len, layout.head_dim)
-        self.device = device
-        self.device_id = device_id
-        self.dtype = layout.kv_dtype
-        self.slot_bytes = layout.kv_heads * max_len * layout.head_dim * layout.kv_dtype.itemsize
-        self.host: list[np.ndarray] = []
-        self.device_values: list[ort.OrtValue] = []
-        if device == "cpu":
-            self.host = [_lazy_zeros(self.shape, self.dtype) for _ in layout.past_names]
-            self.pointers = [int(a.ctypes.data) for a in self.host]
-        else:
-            self.device_values = [
-                ort.OrtValue.ortvalue_from_shape_and_type(list(self.shape), self.dtype, device, device_id)
-                for _ in layout.past_names
-            ]
-            self.pointers = [int(v.data_ptr()) for v in self.device_values]
-
-    def move(self, source: int, target: int, length: int) -> bool:
-        """Copy a slot's first `length` positions to another slot; False where unsupported."""
-        if self.device != "cpu":
-            return False
-        for array in self.host:
-            array[target, :, :length] = array[source, :, :length]
-        return True
 
 
 class SharedKvRunner:
@@ -145,25 +110,27 @@ class SharedKvRunner:
         session: ort.InferenceSession,
         info: ModelInfo,
         layout: SharedKvLayout,
+        store: KvStore,
         *,
-        slots: int,
-        max_len: int,
-        device: str,
-        device_id: int = 0,
+        hidden_output: str | None = None,
         adapters: AdapterStacks | None = None,
     ) -> None:
+        """`store` holds the cache: its geometry gives the slots and each slot's positions.
+        `hidden_output`: the graph output holding the head's input (models/hidden_states.py), for
+        embeddings; None where the graph has none."""
         self._session = session
         self._row_adapters = RowAdapters(adapters, info.name)
-        self._lora_index = np.zeros(slots, dtype=np.int64)
-        self._info = info
         self._layout = layout
-        self._slots = slots
-        self._max_len = max_len
-        self._kv = _KvBuffers(layout, slots, max_len, device, device_id)
+        self._hidden = HiddenStatePass.over(session, hidden_output, layout.past_names, layout, adapters)
+        self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
+        self._kv = store
+        self._slots = slots = store.geometry.slots
+        self._max_len = max_len = store.geometry.positions
         self._slot_of: dict[int, int] = {}
         self._free: list[int] = list(range(slots))
         heapq.heapify(self._free)
         self._lengths = np.zeros(slots, dtype=np.int64)
+        self._lora_index = np.zeros(slots, dtype=np.int64)
         vocab = info.vocab_size
         self._logits = np.zeros((slots, vocab), dtype=layout.logits_dtype)
         self._input_ids = np.zeros(slots, dtype=np.int64)
@@ -187,14 +154,17 @@ class SharedKvRunner:
     def capacity(self) -> int:
         return self._slots
 
+    def hidden_states(self, inputs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+        # A stateless pass over its own empty cache: no slot is taken, none is touched.
+        if self._hidden is None:
+            raise ModelRunnerError(f"{self._info.name} serves no embeddings")
+        return self._hidden.run(inputs)
+
     def prefill(
         self, seq_id: int, token_ids: Sequence[int], *, start: int, adapter: int = NO_ADAPTER
     ) -> np.ndarray:
         if start == 0:
-            self.release(seq_id)
-            if not self._free:
-                raise ModelRunnerError("no free KV-cache slot")
-            self._slot_of[seq_id] = heapq.heappop(self._free)
+            self._new_slot(seq_id)
         slot = self._slot_of.get(seq_id)
         if slot is None or int(self._lengths[slot]) != start:
             raise ModelRunnerError(f"sequence {seq_id} continues a prefill out of order")
@@ -294,33 +264,44 @@ class SharedKvRunner:
             return self._logits[: len(slots)]
         return np.asarray(self._logits[slots], dtype=np.float32)
 
+    @property
+    def kv_store(self) -> KvStore:
+        return self._kv
+
     def kv_bytes_per_token(self) -> int:
-        # Rows are copied with numpy: only a cache in host memory can be read and written here.
-        if self._kv.device != "cpu":
-            return 0
-        layout = self._layout
-        return len(layout.past_names) * layout.kv_heads * layout.head_dim * layout.kv_dtype.itemsize
+        return self._kv.geometry.bytes_per_position
 
     def read_kv(self, seq_id: int, start: int, stop: int) -> np.ndarray:
         slot = self._slot_of.get(seq_id)
         if slot is None or not 0 <= start <= stop <= int(self._lengths[slot]):
             raise ModelRunnerError(f"sequence {seq_id} has no KV rows [{start}, {stop})")
-        return np.stack([array[slot, :, start:stop] for array in self._kv.host])
+        return self._kv.read(slot, start, stop)
 
     def start_from_kv(self, seq_id: int, blocks: Sequence[np.ndarray]) -> int:
-        self.release(seq_id)
-        length = sum(int(block.shape[2]) for block in blocks)
-        if self._kv.device != "cpu" or length > self._max_len:
+        length = rows_length(blocks)
+        if not blocks or length > self._max_len:
             raise ModelRunnerError(f"cannot load {length} KV rows into a slot")
-        if not self._free:
-            raise ModelRunnerError("no free KV-cache slot")
-        slot = heapq.heappop(self._free)
-        self._slot_of[seq_id] = slot
-        for tensor, array in enumerate(self._kv.host):
-            # Straight from the blocks into the slot: one pass over the memory.
-            np.concatenate([block[tensor] for block in blocks], axis=1, out=array[slot, :, :length])
+        slot = self._new_slot(seq_id)
+        try:
+            self._kv.write(slot, blocks)
+        except Exception:
+            self.release(seq_id)
+            raise
         self._lengths[slot] = length
         return length
+
+    def start_from_sequence(self, seq_id: int, source_id: int, positions: int) -> int:
+        source = self._slot_of.get(source_id)
+        if source is None or source_id == seq_id or not 0 < positions <= int(self._lengths[source]):
+            raise ModelRunnerError(f"sequence {source_id} has no {positions} KV rows to copy")
+        slot = self._new_slot(seq_id)
+        try:
+            self._kv.move(source, slot, positions)
+        except Exception:
+            self.release(seq_id)
+            raise
+        self._lengths[slot] = positions
+        return positions
 
     def release(self, seq_id: int) -> None:
         self._row_adapters.forget(seq_id)
@@ -334,6 +315,15 @@ class SharedKvRunner:
 
     def assign_adapters(self, seq_ids: Sequence[int], adapters: Sequence[int]) -> None:
         self._row_adapters.assign(seq_ids, adapters)
+
+    def _new_slot(self, seq_id: int) -> int:
+        """A free slot for a sequence starting afresh (any slot it held is freed first)."""
+        self.release(seq_id)
+        if not self._free:
+            raise ModelRunnerError("no free KV-cache slot")
+        slot = heapq.heappop(self._free)
+        self._slot_of[seq_id] = slot
+        return slot
 
     def _run_alone(self, slot: int, token_ids: Sequence[int], *, last_only: bool = False) -> np.ndarray:
         """Append `token_ids` to the sequence in `slot` in a batch-1 call; the logits at every
@@ -360,8 +350,7 @@ class SharedKvRunner:
         while self._free and self._free[0] < self._occupied_end() - 1:
             seq_id, source = max(self._slot_of.items(), key=lambda item: item[1])
             target = self._free[0]
-            if not self._kv.move(source, target, int(self._lengths[source])):
-                return
+            self._kv.move(source, target, int(self._lengths[source]))
             heapq.heappop(self._free)
             heapq.heappush(self._free, source)
             self._slot_of[seq_id] = target
@@ -370,10 +359,11 @@ class SharedKvRunner:
 
     def _bind_kv(self, binding: ort.IOBinding, *, first_slot: int, rows: int) -> None:
         kv = self._kv
-        shape = [rows, *kv.shape[1:]]
-        offset = first_slot * kv.slot_bytes
+        shape = [rows, *kv.geometry.shape[1:]]
+        offset = first_slot * kv.geometry.slot_bytes
+        dtype = kv.geometry.dtype
         for past, present, pointer in zip(
             self._layout.past_names, self._layout.present_names, kv.pointers, strict=True
         ):
-            binding.bind_input(past, kv.device, kv.device_id, kv.dtype, shape, pointer + offset)
-            binding.bind_output(present, kv.device, kv.device_id, kv.dtype, shape, pointer + offset)
+            binding.bind_input(past, kv.device, kv.device_id, dtype, shape, pointer + offset)
+            binding.bind_output(present, kv.device, kv.device_id, dtype, shape, pointer + offset)

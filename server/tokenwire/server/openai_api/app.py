@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenwire.server.api.admission import Admission, Admitted
+from tokenwire.server.api.embeddings import Embedder
 from tokenwire.server.api.registry import ModelRegistry
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError, excerpt
 from tokenwire.server.engine.types import (
@@ -46,6 +47,7 @@ from tokenwire.server.engine.types import (
     TokensGenerated,
 )
 from tokenwire.server.openai_api import responses
+from tokenwire.server.openai_api.embeddings import EMBEDDINGS_PATH, embeddings_json, parse_embeddings
 from tokenwire.server.openai_api.endings import RequestEnding
 from tokenwire.server.openai_api.errors import HttpResponse, error_object, http_error
 from tokenwire.server.openai_api.http_protocol import REFUSAL_STATE
@@ -98,6 +100,8 @@ def operation_of(path: str) -> str:
         return route.operation
     if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
         return MODELS_PATH
+    if path == EMBEDDINGS_PATH:
+        return EMBEDDINGS_PATH
     return excerpt(path, RECORDED_PATH_CHARACTERS)
 
 
@@ -145,6 +149,7 @@ class OpenAIApp:
         self._clock = clock
         self._workers = ThreadPoolExecutor(PARSE_WORKERS, thread_name_prefix="http-parse")
         self._created = int(time.time())
+        self._embedder = Embedder(registry)
 
     def close(self) -> None:
         self._workers.shutdown(wait=False, cancel_futures=True)
@@ -166,6 +171,9 @@ class OpenAIApp:
         try:
             if path == MODELS_PATH or path.startswith(MODELS_PATH + "/"):
                 await self._models(scope["method"], path, metadata, ending, send)
+                return
+            if path == EMBEDDINGS_PATH:
+                await self._embeddings(scope["method"], metadata, received, ending, receive, send)
                 return
             route = ROUTES.get(path)
             if route is None:
@@ -198,14 +206,7 @@ class OpenAIApp:
         self, method: str, path: str, metadata: list[tuple[str, str]], ending: RequestEnding, send: Send
     ) -> None:
         if method != "GET":
-            await _refuse(
-                send,
-                ending,
-                _method_not_allowed("GET"),
-                status=405,
-                close=_declares_body(metadata),
-                allow=b"GET",
-            )
+            await _refuse_method(send, ending, metadata, "GET")
             return
         refused = self._authenticate(metadata)
         if refused is not None:
@@ -241,12 +242,7 @@ class OpenAIApp:
         receive: Receive,
         send: Send,
     ) -> None:
-        refused = self._authenticate(metadata)
-        if refused is not None:
-            await _refuse(send, ending, refused, close=_declares_body(metadata))
-            return
-        if not _is_json(metadata):
-            await _refuse(send, ending, _unsupported_media_type(), status=415, close=_declares_body(metadata))
+        if not await self._takes_body(metadata, ending, send):
             return
         try:
             body = await self._read_body(metadata, received, receive)
@@ -298,6 +294,48 @@ class OpenAIApp:
             raise
         finally:
             watcher.cancel()
+
+    async def _takes_body(self, metadata: list[tuple[str, str]], ending: RequestEnding, send: Send) -> bool:
+        """Whether the request may send its body: authenticated, and JSON; otherwise refused
+        here, its body unread."""
+        refused = self._authenticate(metadata)
+        if refused is not None:
+            await _refuse(send, ending, refused, close=_declares_body(metadata))
+            return False
+        if not _is_json(metadata):
+            await _refuse(send, ending, _unsupported_media_type(), status=415, close=_declares_body(metadata))
+            return False
+        return True
+
+    # -- /v1/embeddings --------------------------------------------------------------------------
+
+    async def _embeddings(
+        self,
+        method: str,
+        metadata: list[tuple[str, str]],
+        received: float,
+        ending: RequestEnding,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        if method != "POST":
+            await _refuse_method(send, ending, metadata, "POST")
+            return
+        if not await self._takes_body(metadata, ending, send):
+            return
+        loop = asyncio.get_running_loop()
+        try:
+            body = await self._read_body(metadata, received, receive)
+            parsed = await loop.run_in_executor(self._workers, parse_embeddings, body)
+            embedded = await self._embedder.embed(parsed.request)
+            # The response grows with the inputs: it is written off the event loop too.
+            response = await loop.run_in_executor(self._workers, embeddings_json, embedded, parsed.encoding)
+        except GenerationError as error:
+            ending.refused(error)
+            await _respond(send, _refusal(error))
+            return
+        ending.served()
+        await _respond(send, _ok(response))
 
     async def _read_body(self, metadata: list[tuple[str, str]], received: float, receive: Receive) -> bytes:
         """The whole body, within its byte bound and the body deadline. Raises GenerationError
@@ -474,6 +512,20 @@ async def _refuse(
     if close:
         headers += (_CLOSE,)
     await _respond(send, HttpResponse(status or response.status, response.body, headers))
+
+
+async def _refuse_method(
+    send: Send, ending: RequestEnding, metadata: list[tuple[str, str]], allowed: str
+) -> None:
+    """A 405 naming the method the path takes."""
+    await _refuse(
+        send,
+        ending,
+        _method_not_allowed(allowed),
+        status=405,
+        close=_declares_body(metadata),
+        allow=allowed.encode(),
+    )
 
 
 def _unsupported_media_type() -> GenerationError:
