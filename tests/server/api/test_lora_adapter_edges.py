@@ -9,6 +9,8 @@ token line sets no adapters (every one), and `limited`, given a0 only (`adapters
 from __future__ import annotations
 
 import argparse
+import io
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -19,11 +21,12 @@ import pytest
 from tests.conftest import tiny_settings
 from tests.server.model_tools.hf_twins import hf_tiny_llama, make_peft_adapter
 from tests.server.openai_api.conftest import base_url
+from tests.support.prometheus import scrape
 from tests.support.servers import serving
 from tokenwire.client import TokenwireError
 from tokenwire.server import settings_sources
 from tokenwire.server.app import TokenwireServer
-from tokenwire.server.config import AuthSettings, LoraSource
+from tokenwire.server.config import AuthSettings, LoraSource, TelemetrySettings
 from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 from tokenwire.server.model_tools.tiny_llama import create_tiny_llama
 from tokenwire.server.models.adapters import AdapterError
@@ -58,6 +61,7 @@ async def server(lora_files: tuple[Path, list[Path]]) -> AsyncIterator[Tokenwire
         loras=(LoraSource("a0", adapters[0]), LoraSource("a1", adapters[1])),
         max_lora_rank=4,
         http=HttpSettings(port=0),
+        telemetry=TelemetrySettings(metrics_port=0),
         auth=AuthSettings(tokens=tuple(t for t, _ in callers), callers=tuple(c for _, c in callers)),
     )
     async with serving(settings) as running:
@@ -116,6 +120,33 @@ async def test_grpc_refuses_an_unknown_adapter_and_one_the_caller_lacks_naming_t
     assert len(allowed.token_ids) == len(other.token_ids) == len(base.token_ids) == 6
     # The two adapters and the base are three models: their tokens are not all one sequence.
     assert len({tuple(allowed.token_ids), tuple(other.token_ids), tuple(base.token_ids)}) > 1
+
+
+async def test_the_access_log_and_request_counts_name_the_adapter_a_request_ran_with(
+    server: TokenwireServer, access_lines: io.StringIO
+) -> None:
+    async with grpc.aio.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        stub = pb_grpc.InferenceServiceStub(channel)
+        await stub.Generate(_request("a1"), metadata=_bearer(FULL))
+        await stub.Generate(_request(""), metadata=_bearer(FULL))
+        await _grpc_error(stub, "a1", LIMITED)
+        await _grpc_error(stub, "absent", FULL)
+    assert server.metrics_port
+    metrics = await scrape(server.metrics_port)
+    lines = [json.loads(line) for line in access_lines.getvalue().splitlines()]
+    # Only an adapter the request may run with is recorded: a refused name is the caller's text.
+    assert [(line["caller"], line["code"], line["adapter"]) for line in lines] == [
+        ("full", "OK", "a1"),
+        ("full", "OK", None),
+        ("limited", "PERMISSION_DENIED", None),
+        ("full", "NOT_FOUND", None),
+    ]
+    counted = "tokenwire_server_requests_total"
+    model = {"gen_ai_request_model": "tiny", "caller": "full"}
+    assert metrics.value(counted, **model, outcome="ok", adapter="a1") == 1
+    # The base model's series: the exporter gives every series of a counter the same labels.
+    assert metrics.value(counted, **model, outcome="ok", adapter="") == 1
+    assert "absent" not in metrics.text
 
 
 def _openai(server: TokenwireServer, token: str) -> openai.AsyncOpenAI:

@@ -187,6 +187,7 @@ class Admission:
             record.resolved(served.name)
             request_bounds.check_against_model(sizes, self._limits, served.model.info.context_length)
             served.validator.check_adapter(spec, caller)
+            record.runs_adapter(spec.adapter)
             # A request the queue would refuse whatever its prompt is refused before its prompt
             # is tokenized: a flood over its share must not spend the cores the others need.
             served.engine.check_room(caller)

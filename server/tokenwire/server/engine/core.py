@@ -458,6 +458,7 @@ class EngineCore:
             completion_tokens=completion_tokens,
             timing=timing,
             caller=request.caller.name,
+            adapter=request.adapter,
         )
         self._drop(request)
         return Finished(request.key, service)
