@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable
 
 from google.protobuf.duration_pb2 import Duration
 
@@ -346,15 +346,10 @@ def queued_event(request_id: str, position: int) -> pb.StreamGenerateResponse:
 
 
 def model_info(
-    info: ModelInfo, *, has_chat_template: bool, is_default: bool, adapters: Sequence[ServedAdapter] = ()
+    info: ModelInfo, *, has_chat_template: bool, is_default: bool, adapters: Iterable[ServedAdapter] = ()
 ) -> pb.ModelInfo:
     return pb.ModelInfo(
-        adapters=[
-            pb.AdapterInfo(
-                name=a.name, base=a.base, rank=a.rank, source=a.source, memory_bytes=a.memory_bytes
-            )
-            for a in adapters
-        ],
+        adapters=[adapter_info(a) for a in adapters],
         name=info.name,
         context_length=info.context_length,
         vocab_size=info.vocab_size,
@@ -378,3 +373,13 @@ def duration(seconds: float) -> Duration:
 
 def _seconds(value: Duration) -> float:
     return value.seconds + value.nanos / 1e9
+
+
+def adapter_info(adapter: ServedAdapter) -> pb.AdapterInfo:
+    return pb.AdapterInfo(
+        name=adapter.name,
+        base=adapter.base,
+        rank=adapter.rank,
+        source=adapter.source,
+        memory_bytes=adapter.memory_bytes,
+    )

@@ -3,7 +3,8 @@ LoRA adapters."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from tokenwire.server.engine.engine import Engine
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
@@ -24,12 +25,38 @@ class ServedAdapter:
     """What its slot of the adapter stacks takes."""
 
 
+class AdapterCatalog:
+    """The adapters a model serves now, in load order. Loads and unloads at run time change it
+    (on the event loop); `names` is the live set the model's request validator checks against."""
+
+    def __init__(self, adapters: Iterable[ServedAdapter] = ()) -> None:
+        self._by_name = {adapter.name: adapter for adapter in adapters}
+        self.names: set[str] = set(self._by_name)
+
+    def __iter__(self) -> Iterator[ServedAdapter]:
+        return iter(tuple(self._by_name.values()))
+
+    def __len__(self) -> int:
+        return len(self._by_name)
+
+    def get(self, name: str) -> ServedAdapter | None:
+        return self._by_name.get(name)
+
+    def add(self, adapter: ServedAdapter) -> None:
+        self._by_name[adapter.name] = adapter
+        self.names.add(adapter.name)
+
+    def remove(self, name: str) -> ServedAdapter:
+        self.names.discard(name)
+        return self._by_name.pop(name)
+
+
 @dataclass(frozen=True)
 class ServedModel:
     model: LoadedModel
     engine: Engine
     validator: RequestValidator
-    adapters: tuple[ServedAdapter, ...] = ()
+    adapters: AdapterCatalog = field(default_factory=AdapterCatalog)
 
     @property
     def name(self) -> str:
@@ -57,7 +84,7 @@ class ModelRegistry:
         if sep and base in self._models:
             return base, named
         for served in self._models.values():
-            if any(a.name == model for a in served.adapters):
+            if served.adapters.get(model) is not None:
                 return served.name, model
         return model, adapter
 

@@ -11,6 +11,7 @@ import json
 import math
 import secrets
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import jsonschema
@@ -197,11 +198,11 @@ class RequestValidator:
         chat: ChatPromptIds | None,
         limits: RequestLimits,
         tool_format: ToolCallFormat = ToolCallFormat.JSON,
-        adapters: frozenset[str] = frozenset(),
+        adapters: AbstractSet[str] = frozenset(),
     ) -> None:
         """chat: the model's conversations to prompt tokens; None: it has no chat template.
         tool_format: how the model writes tool calls (its chat template's format).
-        adapters: the LoRA adapters served on the model."""
+        adapters: the LoRA adapters served on the model (a live set: loads and unloads change it)."""
         self._info = info
         self._adapters = adapters
         self._tokenizer = tokenizer

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from tokenwire.server.api.adapter_admin import AdapterAdmin, check_may_manage
 from tokenwire.server.api.admission import Admission, Admitted
 from tokenwire.server.api.embeddings import Embedder
 from tokenwire.server.api.registry import ModelRegistry
@@ -47,6 +49,12 @@ from tokenwire.server.engine.types import (
     TokensGenerated,
 )
 from tokenwire.server.openai_api import responses
+from tokenwire.server.openai_api.adapter_routes import (
+    ADMIN_PATHS,
+    LOAD_PATH,
+    apply_adapter_change,
+    parse_adapter_change,
+)
 from tokenwire.server.openai_api.embeddings import EMBEDDINGS_PATH, embeddings_json, parse_embeddings
 from tokenwire.server.openai_api.endings import RequestEnding
 from tokenwire.server.openai_api.errors import HttpResponse, error_object, http_error
@@ -102,6 +110,8 @@ def operation_of(path: str) -> str:
         return MODELS_PATH
     if path == EMBEDDINGS_PATH:
         return EMBEDDINGS_PATH
+    if path in ADMIN_PATHS:
+        return path
     return excerpt(path, RECORDED_PATH_CHARACTERS)
 
 
@@ -135,6 +145,7 @@ class OpenAIApp:
         callers: CallerDirectory,
         *,
         tokens: BearerTokenInterceptor | None,
+        adapter_admin: AdapterAdmin | None = None,
         max_body_bytes: int,
         body_timeout: float,
         clock: Callable[[], float] = time.monotonic,
@@ -144,6 +155,7 @@ class OpenAIApp:
         self._telemetry = telemetry
         self._callers = callers
         self._tokens = tokens
+        self._adapter_admin = adapter_admin
         self._max_body_bytes = max_body_bytes
         self._body_timeout = body_timeout
         self._clock = clock
@@ -174,6 +186,9 @@ class OpenAIApp:
                 return
             if path == EMBEDDINGS_PATH:
                 await self._embeddings(scope["method"], metadata, received, ending, receive, send)
+                return
+            if path in ADMIN_PATHS and self._adapter_admin is not None:
+                await self._change_adapter(path, scope["method"], metadata, received, ending, receive, send)
                 return
             route = ROUTES.get(path)
             if route is None:
@@ -330,6 +345,40 @@ class OpenAIApp:
             embedded = await self._embedder.embed(parsed.request)
             # The response grows with the inputs: it is written off the event loop too.
             response = await loop.run_in_executor(self._workers, embeddings_json, embedded, parsed.encoding)
+        except GenerationError as error:
+            ending.refused(error)
+            await _respond(send, _refusal(error))
+            return
+        ending.served()
+        await _respond(send, _ok(response))
+
+    # -- /v1/load_lora_adapter, /v1/unload_lora_adapter ------------------------------------------
+
+    async def _change_adapter(
+        self,
+        path: str,
+        method: str,
+        metadata: list[tuple[str, str]],
+        received: float,
+        ending: RequestEnding,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        assert self._adapter_admin is not None
+        if method != "POST":
+            await _refuse_method(send, ending, metadata, "POST")
+            return
+        if not await self._takes_body(metadata, ending, send):
+            return
+        loading = path == LOAD_PATH
+        loop = asyncio.get_running_loop()
+        try:
+            check_may_manage(self._callers.identify(metadata))
+            body = await self._read_body(metadata, received, receive)
+            change = await loop.run_in_executor(
+                self._workers, functools.partial(parse_adapter_change, body, loading=loading)
+            )
+            response = await apply_adapter_change(self._adapter_admin, change, loading=loading)
         except GenerationError as error:
             ending.refused(error)
             await _respond(send, _refusal(error))
