@@ -22,6 +22,7 @@ from tests.conftest import tiny_settings
 from tests.server.model_tools.hf_twins import hf_tiny_llama, make_peft_adapter
 from tests.server.openai_api.conftest import base_url
 from tests.support.prometheus import scrape
+from tests.support.serve_process import serve_refused
 from tests.support.servers import serving
 from tokenwire.client import TokenwireError
 from tokenwire.server import settings_sources
@@ -226,6 +227,27 @@ async def test_an_adapter_over_the_rank_bound_is_refused_at_load_in_one_line(
     message = str(raised.value)
     assert "\n" not in message
     assert message.startswith("adapter wide: ") and "rank 4, over the maximum LoRA rank 2" in message
+
+
+def test_tokenwire_serve_exits_on_a_bad_adapter_file_with_one_line_naming_it(
+    lora_files: tuple[Path, list[Path]], tmp_path: Path
+) -> None:
+    model, adapters = lora_files
+    broken = tmp_path / "broken"
+    broken.mkdir()
+    (broken / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 0}', encoding="utf-8")
+    over_rank = serve_refused(model, "--lora", f"wide={adapters[0]}", "--max-lora-rank", "2")
+    bad_config = serve_refused(model, "--lora", f"broken={broken}")
+    for finished, expected in (
+        (
+            over_rank,
+            "adapter wide: module model.layers.0.self_attn.q_proj has rank 4, over the maximum LoRA rank 2",
+        ),
+        (bad_config, "adapter broken: adapter_config.json: r: must be a whole number of at least 1"),
+    ):
+        assert finished.returncode == 1, finished.stderr[-2000:]
+        failures = [line for line in finished.stderr.splitlines() if "failed to load" in line]
+        assert len(failures) == 1 and expected in failures[0], finished.stderr[-2000:]
 
 
 async def test_lora_flags_on_a_graph_without_lora_sites_are_refused_at_load(
