@@ -2,7 +2,8 @@
 LangChain (ChatOpenAI), LiteLLM, instructor, pydantic-ai and llama-index (OpenAILike), and
 LangChain's OpenAIEmbeddings. For each chat library:
 a chat, a stream, structured output in the library's default mode, and a tool-calling round trip
-(tool call -> tool result -> answer). Their versions are pinned in pyproject.toml's dev extra.
+(tool call -> tool result -> answer); LangChain also on the Responses API (`use_responses_api`).
+Their versions are pinned in pyproject.toml's dev extra.
 
 SmolLM2-135M rarely chooses a tool by itself, so each round trip forces its first call with the
 library's own tool choice (a named tool or `required`), which the server enforces with a grammar,
@@ -16,7 +17,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import pytest
@@ -57,13 +58,23 @@ def api(default_model_api: str) -> str:
 # -- LangChain ---------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def langchain_chat(api: str) -> Any:
+def langchain_model(api: str, **options: Any) -> Any:
     from langchain_openai import ChatOpenAI
 
     return ChatOpenAI(
-        base_url=api, api_key="unused", model=DEFAULT_MODEL_NAME, temperature=0, max_tokens=48, max_retries=0
+        base_url=api,
+        api_key="unused",
+        model=DEFAULT_MODEL_NAME,
+        temperature=0,
+        max_tokens=48,
+        max_retries=0,
+        **options,
     )
+
+
+@pytest.fixture(scope="module")
+def langchain_chat(api: str) -> Any:
+    return langchain_model(api)
 
 
 def test_langchain_chats_and_streams_the_same_answer(langchain_chat: Any) -> None:
@@ -80,18 +91,23 @@ def test_langchain_structured_output_in_its_default_mode(langchain_chat: Any) ->
 
 
 def test_langchain_tool_round_trip(langchain_chat: Any) -> None:
+    langchain_tool_round_trip(langchain_chat, answering=lambda weather: langchain_chat)
+
+
+def langchain_tool_round_trip(model: Any, answering: Callable[[Any], Any]) -> None:
+    """A call forced by `model`, its result, and the text answer of `answering(the tool)`."""
     from langchain_core.messages import HumanMessage, ToolMessage
     from langchain_core.tools import tool
 
     weather = tool(get_weather)
     question = HumanMessage(QUESTION)
-    call_message = langchain_chat.bind_tools([weather], tool_choice="get_weather").invoke([question])
+    call_message = model.bind_tools([weather], tool_choice="get_weather").invoke([question])
     [call] = call_message.tool_calls
     assert call["name"] == "get_weather"
     assert_city(call["args"])
     result = ToolMessage(weather.invoke(call["args"]), tool_call_id=call["id"])
-    answer = langchain_chat.invoke([question, call_message, result])
-    assert isinstance(answer.content, str) and answer.content.strip()
+    answer = answering(weather).invoke([question, call_message, result])
+    assert isinstance(answer.text, str) and answer.text.strip()
     assert not answer.tool_calls
 
 
@@ -114,6 +130,31 @@ def test_langchain_embeds_documents_and_a_query(api: str) -> None:
     assert all(abs(sum(x * x for x in vector) - 1) < 1e-4 for vector in (*documents, query))
     # The same text alone and in a batch of two: equal to the 4-bit model's batch rounding.
     assert sum(a * b for a, b in zip(query, documents[0], strict=True)) > 0.99
+
+
+@pytest.fixture(scope="module")
+def langchain_responses(api: str) -> Any:
+    return langchain_model(api, use_responses_api=True)
+
+
+def test_langchain_on_the_responses_api_chats_and_streams_the_same_answer(
+    langchain_responses: Any, langchain_chat: Any
+) -> None:
+    answer = langchain_responses.invoke("Name a colour.")
+    assert answer.text.strip()
+    assert answer.response_metadata["id"].startswith("resp_")
+    assert answer.text == langchain_chat.invoke("Name a colour.").content  # the same conversation
+    streamed = "".join(chunk.text for chunk in langchain_responses.stream("Name a colour."))
+    assert streamed == answer.text
+    assert answer.usage_metadata["output_tokens"] >= 1
+
+
+def test_langchain_on_the_responses_api_tool_round_trip(langchain_responses: Any) -> None:
+    # Answering, the model is told not to call again: the Responses API keeps the tools offered.
+    langchain_tool_round_trip(
+        langchain_responses,
+        answering=lambda weather: langchain_responses.bind_tools([weather], tool_choice="none"),
+    )
 
 
 # -- LiteLLM -----------------------------------------------------------------------------------

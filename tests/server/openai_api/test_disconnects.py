@@ -22,6 +22,19 @@ from tests.support.prometheus import scrape
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
 from tokenwire.server.config import TelemetrySettings
+from tokenwire.server.engine.engine import Engine
+
+
+async def stopped_within_one_step(engine: Engine, gate: StepGate) -> None:
+    """Once the server has noticed the close, the held generation takes at most one more step."""
+    await wait_until(lambda: engine.stats.abort_requests == 1, what="the server to notice the close")
+    steps_at_close = engine.stats.decode_steps
+    gate.open()
+    assert await engine.wait_idle(5)
+    assert engine.stats.aborted == 1
+    assert engine.stats.max_abort_latency_steps <= 1
+    assert engine.stats.orphaned_steps == 0
+    assert engine.stats.decode_steps - steps_at_close <= 1
 
 
 async def test_closing_an_sdk_stream_stops_the_generation_within_one_step_and_records_a_cancel(
@@ -49,14 +62,7 @@ async def test_closing_an_sdk_stream_stops_the_generation_within_one_step_and_re
             if chunks == 2:
                 break
         await stream.close()
-        await wait_until(lambda: engine.stats.abort_requests == 1, what="the server to notice the close")
-        steps_at_close = engine.stats.decode_steps
-        gate.open()
-        assert await engine.wait_idle(5)
-        assert engine.stats.aborted == 1
-        assert engine.stats.max_abort_latency_steps <= 1
-        assert engine.stats.orphaned_steps == 0
-        assert engine.stats.decode_steps - steps_at_close <= 1
+        await stopped_within_one_step(engine, gate)
         assert server.metrics_port is not None
         metrics = await scrape(server.metrics_port)
         await client.close()
@@ -114,3 +120,29 @@ async def test_a_sync_sdk_stream_left_early_stops_its_generation(tiny_model_dir:
     assert engine.stats.aborted == 1
     assert engine.stats.max_abort_latency_steps <= 1
     assert engine.stats.orphaned_steps == 0
+
+
+async def test_closing_a_responses_stream_stops_the_generation_within_one_step_and_records_a_cancel(
+    tiny_model_dir: Path, access_lines: io.StringIO
+) -> None:
+    gate = StepGate()
+    gate.allow(3)
+    async with serving(http_settings(tiny_model_dir, max_batch_size=1), gate=gate) as server:
+        engine = server.registry.default.engine
+        client = openai.AsyncOpenAI(base_url=base_url(server), api_key="unused", max_retries=0)
+        stream = await client.responses.create(
+            model="tiny", input="Go on and on", max_output_tokens=150, temperature=0, stream=True
+        )
+        kinds = []
+        async for event in stream:
+            kinds.append(event.type)
+            if event.type == "response.output_text.delta":
+                break
+        await stream.close()
+        await stopped_within_one_step(engine, gate)
+        await client.close()
+    assert kinds[:2] == ["response.created", "response.in_progress"]
+    (line,) = [json.loads(text) for text in access_lines.getvalue().splitlines()]
+    assert line["method"] == "/v1/responses"
+    assert line["outcome"] == "cancelled" and line["finish_reason"] == "cancelled"
+    assert 1 <= line["completion_tokens"] < 150

@@ -12,6 +12,7 @@ import pytest
 
 from tests.server.openai_api.conftest import base_url, http_settings
 from tests.server.openai_api.raw_http import request
+from tests.support.openapi_schema import sse_events, validate_response_event
 from tests.support.polling import wait_until
 from tests.support.servers import serving
 from tests.support.stepping import StepGate
@@ -202,3 +203,31 @@ async def test_a_timeout_header_ends_the_generation_with_504(tiny_model_dir: Pat
     assert raised.value.body["type"] == "timeout_error"  # type: ignore[index]
     assert await engine.wait_idle(5)
     assert engine.stats.orphaned_steps == 0
+
+
+async def test_a_responses_stream_that_fails_after_it_began_ends_with_response_failed(
+    tiny_model_dir: Path,
+) -> None:
+    gate = StepGate()
+    gate.allow(2)
+    async with serving(http_settings(tiny_model_dir), gate=gate) as server:
+        assert server.http_port is not None
+        engine = server.registry.default.engine
+        body = {"model": "tiny", "input": "Slow", "max_output_tokens": 50, "stream": True}
+        streamed = asyncio.create_task(
+            request(server.http_port, "POST", "/v1/responses", body, headers={"x-tokenwire-timeout": "0.3"})
+        )
+        await wait_until(lambda: engine.stats.decode_steps >= 2, what="the stream to begin")
+        await asyncio.sleep(0.35)  # the deadline passes while every step is held
+        gate.open()
+        reply = await streamed
+    assert reply.status == 200  # the stream had begun: its failure is its last event
+    events = sse_events(reply.body)
+    for event in events:
+        validate_response_event(event)
+    assert events[0]["type"] == "response.created"
+    assert "response.output_text.delta" in [event["type"] for event in events]
+    assert events[-1]["type"] == "response.failed"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert failed["error"]["message"].startswith("deadline exceeded")

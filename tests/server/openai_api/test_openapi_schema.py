@@ -1,7 +1,10 @@
 """Every response shape of the HTTP API validates against OpenAI's published OpenAPI document
 (vendored in tests/support/openapi): chat and completions, unary and each stream chunk, with
-logprobs, n > 1 and usage, tool calls (unary and streamed), errors, the models list and
-embeddings (float lists, and base64 as the SDKs ask for them by default).
+logprobs, n > 1 and usage, tool calls (unary and streamed), errors, the models list,
+embeddings (float lists, and base64 as the SDKs ask for them by default); the Responses API's
+response objects and every event of its streams (text, structured output, an answer cut short),
+each against the schema its `type` names (function calls, which need the default model's context,
+in test_responses_api.py).
 
 Plain HTTP, so what is checked is the bytes the server sent, not what an SDK made of them.
 """
@@ -24,8 +27,10 @@ from tests.support.openapi_schema import (
     ERROR,
     MODEL,
     MODELS,
+    RESPONSE,
     sse_events,
     validate,
+    validate_response_event,
 )
 from tokenwire.server.app import TokenwireServer
 
@@ -122,6 +127,8 @@ async def test_errors_and_models_follow_the_schema(http_server: TokenwireServer)
         ("/v1/chat/completions", {"model": "nope", "messages": CHAT}),
         ("/v1/chat/completions", {"model": "tiny", "messages": CHAT, "tools": [{"type": "function"}]}),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "unknown_parameter": 1}),
+        ("/v1/responses", {"model": "tiny", "input": [{"type": "input_image"}]}),
+        ("/v1/responses", {"model": "tiny", "input": "x", "max_output_tokens": 100000}),
     ):
         status, error = await post(http_server, path, body)
         assert status in (400, 404)
@@ -148,3 +155,58 @@ async def test_embeddings_follow_the_schema_as_floats_and_as_base64(http_server:
     )
     with pytest.raises(AssertionError, match="embedding"):  # base64 is not the float schema
         validate(EMBEDDINGS, json.loads(body))
+
+
+RESPONSE_BODIES: list[dict[str, Any]] = [
+    {"input": "Name a colour", "max_output_tokens": 6},
+    {"input": CHAT, "instructions": "Be brief.", "max_output_tokens": 200, "temperature": 0.5, "top_p": 0.9},
+    {
+        "input": "Name a colour",
+        "max_output_tokens": 5,
+        "include": ["message.output_text.logprobs"],
+        "top_logprobs": 2,
+    },
+    {
+        "input": "A person",
+        "text": {
+            "format": {"type": "json_schema", "name": "person", "schema": {"type": "object"}, "strict": True}
+        },
+        "max_output_tokens": 30,
+    },
+]
+
+
+@pytest.mark.parametrize("body", RESPONSE_BODIES, ids=["cut-short", "instructions", "logprobs", "json"])
+async def test_responses_unary_and_every_stream_event_follow_the_schema(
+    http_server: TokenwireServer, body: dict[str, Any]
+) -> None:
+    status, unary = await post(http_server, "/v1/responses", {"model": "tiny", "temperature": 0, **body})
+    assert status == 200, unary
+    response = json.loads(unary)
+    validate(RESPONSE, response)
+    status, stream = await post(
+        http_server, "/v1/responses", {"model": "tiny", "temperature": 0, **body, "stream": True}
+    )
+    assert status == 200
+    blocks = [block for block in stream.decode().split("\n\n") if block]
+    events = sse_events(stream)
+    assert len(events) == len(blocks) >= 5
+    for block, event in zip(blocks, events, strict=True):
+        assert block.startswith(f"event: {event['type']}\n")  # the SSE event name is the type
+        validate_response_event(event)
+    assert [event["sequence_number"] for event in events] == list(range(len(events)))
+    last = events[-1]["response"]
+    assert events[-1]["type"] == f"response.{last['status']}"
+    validate(RESPONSE, last)
+    assert [item["type"] for item in last["output"]] == [item["type"] for item in response["output"]]
+    if "include" in body:  # every token's log-probability, with its alternatives, on its text
+        [part] = response["output"][0]["content"]
+        assert len(part["logprobs"]) == response["usage"]["output_tokens"] == 5
+        assert all(len(entry["top_logprobs"]) == 2 for entry in part["logprobs"])
+        streamed = [
+            entry
+            for event in events
+            if event["type"] == "response.output_text.delta"
+            for entry in event["logprobs"]
+        ]
+        assert [entry["token"] for entry in streamed] == [entry["token"] for entry in part["logprobs"]]

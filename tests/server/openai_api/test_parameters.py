@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from tests.server.openai_api.raw_http import request
-from tests.support.openapi_schema import document
+from tests.support.openapi_schema import request_parameters
 from tokenwire.client import AsyncClient, ChatMessage, GenerateOptions, Sampling, Stopping
 from tokenwire.server.app import TokenwireServer
 from tokenwire.server.openai_api.parsing import CHAT_IGNORED, CHAT_PARAMETERS, EXTENSIONS, IGNORED_HEADER
@@ -37,17 +37,7 @@ IGNORED_VALUES: dict[str, Any] = {
 
 
 def openai_chat_parameters() -> set[str]:
-    schemas = document()["components"]["schemas"]
-
-    def properties(schema: dict[str, Any]) -> set[str]:
-        if "$ref" in schema:
-            return properties(schemas[schema["$ref"].rsplit("/", 1)[1]])
-        found = set(schema.get("properties", {}))
-        for part in schema.get("allOf", []):
-            found |= properties(part)
-        return found
-
-    return properties(schemas["CreateChatCompletionRequest"])
+    return request_parameters("CreateChatCompletionRequest")
 
 
 async def chat(server: TokenwireServer, body: dict[str, Any]) -> Any:

@@ -286,14 +286,23 @@ def test_a_long_header_value_is_cut_short_in_the_error() -> None:
 # -- the same headers over the OpenAI-compatible HTTP API ----------------------------------------
 
 
-async def test_over_http_the_headers_act_as_over_grpc(tiny_model_dir: Path, auth: AuthSettings) -> None:
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", {"model": "tiny", "prompt": "Hi", "max_tokens": 2}),
+        ("/v1/responses", {"model": "tiny", "input": "Hi", "max_output_tokens": 2}),
+    ],
+    ids=["completions", "responses"],
+)
+async def test_over_http_the_headers_act_as_over_grpc(
+    tiny_model_dir: Path, auth: AuthSettings, path: str, body: dict[str, object]
+) -> None:
     """One admission serves both edges: the fairness header names the caller an HTTP request runs
     as, a caller naming another is refused naming the header, and an objective sets the priority
     an HTTP request leaves unset (no priority header is not DEFAULT) and must agree with one it sets."""
-    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 2}
     async with serving(settings(tiny_model_dir, auth, http=HttpSettings(port=0))) as server:
         assert server.http_port is not None
-        post = partial(http_request, server.http_port, "POST", "/v1/completions", body)
+        post = partial(http_request, server.http_port, "POST", path, body)
 
         def bearer(token: str, **headers: str) -> dict[str, str]:
             return {"authorization": f"Bearer {token}", **headers}

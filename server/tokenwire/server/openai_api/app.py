@@ -48,7 +48,7 @@ from tokenwire.server.engine.types import (
     Started,
     TokensGenerated,
 )
-from tokenwire.server.openai_api import responses
+from tokenwire.server.openai_api import responses, responses_api
 from tokenwire.server.openai_api.adapter_routes import (
     ADMIN_PATHS,
     LOAD_PATH,
@@ -66,6 +66,7 @@ from tokenwire.server.openai_api.parsing import (
     parse_chat,
     parse_completion,
 )
+from tokenwire.server.openai_api.responses_input import parse_responses
 from tokenwire.server.security.auth import BearerTokenInterceptor
 from tokenwire.server.security.callers import CallerDirectory
 from tokenwire.server.telemetry.requests import RequestTelemetry
@@ -90,12 +91,25 @@ class Route:
     """The method name the access log, spans and metrics record."""
     parse: ParseBody
     id_prefix: str
+    whole: responses.WholeAnswer = responses.whole_completion
+    """The answer's body, for a request that does not stream."""
+    streamed: responses.StreamAnswer = responses.ChunkWriter.of
+    """The writer of the answer's events, for a request that streams."""
 
 
 ROUTES = {
     "/v1/chat/completions": Route("/v1/chat/completions", parse_chat, "chatcmpl-"),
     "/v1/completions": Route("/v1/completions", parse_completion, "cmpl-"),
 }
+
+# The Responses API: its own request parser and event writer, on chat's admission and output path.
+ROUTES["/v1/responses"] = Route(
+    "/v1/responses",
+    parse_responses,
+    "resp_",
+    responses_api.whole_response,
+    responses_api.ResponseEventWriter,
+)
 MODELS_PATH = "/v1/models"
 RECORDED_PATH_CHARACTERS = 128
 """Longest path an access-log line names as its method, for a request to no route."""
@@ -301,9 +315,9 @@ class OpenAIApp:
                 admitted.tool_calling,
             )
             if parsed.stream:
-                await _stream(identity, parsed, events, watcher, send)
+                await _stream(route.streamed(identity, parsed), identity, parsed, events, watcher, send)
             else:
-                await _whole(identity, parsed, events, watcher, send)
+                await _whole(route.whole, identity, parsed, events, watcher, send)
         except BaseException:
             admitted.stop(AbortReason.DISCONNECTED)  # nobody is left to hear the generation
             raise
@@ -440,6 +454,7 @@ async def _watch_disconnect(
 
 
 async def _whole(
+    whole: responses.WholeAnswer,
     identity: responses.Identity,
     parsed: ParsedRequest,
     events: asyncio.Queue[EngineEvent | None],
@@ -452,7 +467,7 @@ async def _whole(
             return
         if isinstance(event, Completed):
             watcher.cancel()
-            body = responses.completion(identity, event.result, logprobs=parsed.spec.logprobs)
+            body = whole(identity, parsed, event.result)
             await _respond(send, HttpResponse(200, body, _ignored_header(parsed)))
             return
         if isinstance(event, Failed):
@@ -462,18 +477,13 @@ async def _whole(
 
 
 async def _stream(
+    writer: responses.StreamWriter,
     identity: responses.Identity,
     parsed: ParsedRequest,
     events: asyncio.Queue[EngineEvent | None],
     watcher: asyncio.Task[None],
     send: Send,
 ) -> None:
-    writer = responses.ChunkWriter(
-        identity,
-        logprobs=parsed.spec.logprobs,
-        include_usage=parsed.include_usage,
-        completions=parsed.spec.n or 1,
-    )
     first = await events.get()
     if first is None:
         return
@@ -513,7 +523,7 @@ async def _stream(
             return
         elif isinstance(event, Failed):
             watcher.cancel()
-            data = opening + responses.error_event(error_object(event.error))
+            data = opening + writer.failure(event.error)
             await send({"type": "http.response.body", "body": data})
             return
         event = await events.get()

@@ -127,6 +127,14 @@ class ParsedRequest:
     """From the Idempotency-Key header; None without one."""
     ignored: tuple[str, ...] = ()
     """The parameters the request set that change nothing here, sorted."""
+    paths: Mapping[str, str] = field(default_factory=dict)
+    """RequestSpec path (a field, or one of its entries such as `messages[3]`) -> where the body
+    set it, for an edge whose body is not laid out as RequestSpec (the Responses API's input
+    items); the longest path that begins a violation's field renames it."""
+    path_patterns: tuple[tuple[re.Pattern[str], str], ...] = ()
+    """Rewrites of a violation's field tried after `paths` (chat's nested tool fields)."""
+    echo: Mapping[str, object] = field(default_factory=dict)
+    """What the response repeats of the request (the Responses API's response object does)."""
 
     def admission_input(self) -> AdmissionInput:
         """The request as the admission both edges share takes it."""
@@ -155,7 +163,13 @@ class ParsedRequest:
         )
 
     def _rename(self, name: str) -> str:
-        for pattern, replacement in _TOOL_RENAMES:
+        if self.paths:
+            ends = [len(name), *(i for i in range(len(name) - 1, 0, -1) if name[i] in ".[")]
+            for end in ends:
+                found = self.paths.get(name[:end])
+                if found is not None:
+                    return found + name[end:]
+        for pattern, replacement in self.path_patterns:
             path, count = pattern.subn(replacement, name)
             if count:
                 return path
@@ -196,22 +210,22 @@ def decode_json(body: bytes) -> dict[str, Any]:
 def parse_chat(body: bytes, headers: Mapping[str, str], request_id: str) -> ParsedRequest:
     """A POST /v1/chat/completions body. Raises GenerationError (INVALID_ARGUMENT)."""
     fields = decode_json(body)
-    _refuse_unknown(fields, CHAT_PARAMETERS)
+    refuse_unknown(fields, CHAT_PARAMETERS)
     messages = _messages(fields.get("messages"))
     tools = _tools(fields.get("tools"))
-    logprobs = _optional(fields, "logprobs", bool) or False
-    top_logprobs = _optional(fields, "top_logprobs", int) or 0
+    logprobs = optional(fields, "logprobs", bool) or False
+    top_logprobs = optional(fields, "top_logprobs", int) or 0
     max_tokens, max_name = _max_tokens(fields, ("max_completion_tokens", "max_tokens"))
     spec = RequestSpec(
         request_id=request_id,
-        model=_model(fields),
+        model=model_name(fields),
         messages=messages,
         max_new_tokens=max_tokens,
         logprobs=logprobs,
         top_logprobs=top_logprobs,
         tools=tools,
         tool_choice=_tool_choice(fields.get("tool_choice")),
-        parallel_tool_calls=_optional(fields, "parallel_tool_calls", bool),
+        parallel_tool_calls=optional(fields, "parallel_tool_calls", bool),
     )
     renames = {
         "max_new_tokens": max_name,
@@ -224,7 +238,7 @@ def parse_chat(body: bytes, headers: Mapping[str, str], request_id: str) -> Pars
 def parse_completion(body: bytes, headers: Mapping[str, str], request_id: str) -> ParsedRequest:
     """A POST /v1/completions body. Raises GenerationError (INVALID_ARGUMENT)."""
     fields = decode_json(body)
-    _refuse_unknown(fields, COMPLETION_PARAMETERS)
+    refuse_unknown(fields, COMPLETION_PARAMETERS)
     for name, default in (("echo", False), ("best_of", 1), ("suffix", None)):
         value = fields.get(name)
         if value is not None and value != default:
@@ -235,11 +249,11 @@ def parse_completion(body: bytes, headers: Mapping[str, str], request_id: str) -
         raise bad("best_of", "must be at least n (only 1 is served, so leave it out with n > 1)")
     prompt, token_ids = _prompt(fields.get("prompt"))
     # Completions' logprobs is a count: that many alternatives at each position (0 to 5 in OpenAI).
-    top = _optional(fields, "logprobs", int)
+    top = optional(fields, "logprobs", int)
     max_tokens, max_name = _max_tokens(fields, ("max_tokens",))
     spec = RequestSpec(
         request_id=request_id,
-        model=_model(fields),
+        model=model_name(fields),
         prompt=prompt,
         token_ids=token_ids,
         max_new_tokens=16 if max_tokens is None else max_tokens,  # OpenAI's default for completions
@@ -279,7 +293,7 @@ def _finish(
     chat: bool,
     ignored: frozenset[str],
 ) -> ParsedRequest:
-    stream = _optional(fields, "stream", bool) or False
+    stream = optional(fields, "stream", bool) or False
     include_usage = False
     options = fields.get("stream_options")
     if options is not None:
@@ -290,50 +304,71 @@ def _finish(
         unknown = sorted(set(options) - _STREAM_OPTIONS)
         if unknown:
             raise bad(f"stream_options.{excerpt(unknown[0])}", "unknown option")
-        include_usage = _optional(options, "include_usage", bool, prefix="stream_options.") or False
+        include_usage = optional(options, "include_usage", bool, prefix="stream_options.") or False
+    spec = replace(
+        sampled(fields, headers, spec), response_format=_response_format(fields.get("response_format"))
+    )
+    renames = {**renames, **HEADER_RENAMES, "response_format": "response_format.json_schema.schema"}
+    return ParsedRequest(
+        spec,
+        chat,
+        stream,
+        include_usage,
+        renames,
+        headers.get(IDEMPOTENCY_HEADER) or None,
+        set_but_ignored(fields, ignored),
+        path_patterns=_TOOL_RENAMES,
+    )
+
+
+HEADER_RENAMES = {
+    "priority": PRIORITY_HEADER,
+    "timeout": TIMEOUT_HEADER,
+    "idempotency_key": IDEMPOTENCY_HEADER,
+    "adapter": "model",  # not a header: an adapter is named in model, as BASE:ADAPTER or ADAPTER
+}
+"""The RequestSpec fields the headers set (and the adapter, which the model field names)."""
+
+
+def sampled(fields: Mapping[str, Any], headers: Mapping[str, str], spec: RequestSpec) -> RequestSpec:
+    """`spec` with the sampling parameters and headers every route reads (a route that does not
+    define a parameter has refused it as unknown already, so it keeps its default here)."""
     user = fields.get("user")
     if user is not None and (not isinstance(user, str) or len(user) > MAX_USER_CHARACTERS):
         raise bad("user", f"must be a string of at most {MAX_USER_CHARACTERS} characters")
-    seed = _optional(fields, "seed", int)
+    seed = optional(fields, "seed", int)
     if seed is not None and not 0 <= seed <= MAX_SEED:
         raise bad("seed", f"must be between 0 and {MAX_SEED}")
-    spec = replace(
+    return replace(
         spec,
-        temperature=_optional_number(fields, "temperature"),
-        top_p=_optional_number(fields, "top_p"),
+        temperature=optional_number(fields, "temperature"),
+        top_p=optional_number(fields, "top_p"),
         seed=seed,
         top_k=_top_k(fields),
-        min_p=_optional_number(fields, "min_p") or 0.0,
-        repetition_penalty=_optional_number(fields, "repetition_penalty"),
+        min_p=optional_number(fields, "min_p") or 0.0,
+        repetition_penalty=optional_number(fields, "repetition_penalty"),
         stop=_stop(fields.get("stop")),
-        response_format=_response_format(fields.get("response_format")),
         priority=_priority(headers.get(PRIORITY_HEADER)),
         timeout=_timeout(headers.get(TIMEOUT_HEADER)),
         logit_bias=_logit_bias(fields.get("logit_bias")),
-        presence_penalty=_optional_number(fields, "presence_penalty") or 0.0,
-        frequency_penalty=_optional_number(fields, "frequency_penalty") or 0.0,
-        n=_optional(fields, "n", int),  # 1 to 16: the validator's bound, named n as here
+        presence_penalty=optional_number(fields, "presence_penalty") or 0.0,
+        frequency_penalty=optional_number(fields, "frequency_penalty") or 0.0,
+        n=optional(fields, "n", int),  # 1 to 16: the validator's bound, named n as here
     )
-    renames = {
-        **renames,
-        "priority": PRIORITY_HEADER,
-        "timeout": TIMEOUT_HEADER,
-        "idempotency_key": IDEMPOTENCY_HEADER,
-        "response_format": "response_format.json_schema.schema",
-        "adapter": "model",  # an adapter is named in model, as BASE:ADAPTER or ADAPTER
-    }
-    set_but_ignored = tuple(sorted(name for name in ignored if fields.get(name) is not None))
-    key = headers.get(IDEMPOTENCY_HEADER)
-    return ParsedRequest(spec, chat, stream, include_usage, renames, key or None, set_but_ignored)
 
 
-def _refuse_unknown(fields: Mapping[str, Any], known: frozenset[str]) -> None:
+def set_but_ignored(fields: Mapping[str, Any], ignored: frozenset[str]) -> tuple[str, ...]:
+    """The parameters of `ignored` the request set (not null), sorted."""
+    return tuple(sorted(name for name in ignored if fields.get(name) is not None))
+
+
+def refuse_unknown(fields: Mapping[str, Any], known: frozenset[str]) -> None:
     unknown = sorted(name for name in fields if name not in known)
     if unknown:
         raise bad(excerpt(unknown[0]), "unknown parameter (or one this server does not serve)")
 
 
-def _model(fields: Mapping[str, Any]) -> str:
+def model_name(fields: Mapping[str, Any]) -> str:
     model = fields.get("model", "")
     if model is None:
         return ""
@@ -360,16 +395,16 @@ def _messages(value: Any) -> tuple[ChatTurn, ...]:
         turns.append(
             ChatTurn(
                 ROLE_ALIASES.get(role, role),
-                "" if content is None and (calls or role == "assistant") else _content(content, where),
+                "" if content is None and (calls or role == "assistant") else content_text(content, where),
                 calls,
-                _optional_string(message, "tool_call_id", where),
-                _optional_string(message, "name", where),
+                optional_string(message, "tool_call_id", where),
+                optional_string(message, "name", where),
             )
         )
     return tuple(turns)
 
 
-def _optional_string(message: Mapping[str, Any], name: str, where: str) -> str:
+def optional_string(message: Mapping[str, Any], name: str, where: str) -> str:
     value = message.get(name)
     if value is None:
         return ""
@@ -397,51 +432,65 @@ def _message_tool_calls(value: Any, where: str) -> tuple[ToolCall, ...]:
             raise bad(f"{at}.function.name", "must be a string")
         if not isinstance(arguments, str):
             raise bad(f"{at}.function.arguments", "must be the arguments as JSON text")
-        calls.append(ToolCall(_optional_string(call, "id", at), name, arguments))
+        calls.append(ToolCall(optional_string(call, "id", at), name, arguments))
     return tuple(calls)
 
 
 def _tools(value: Any) -> tuple[ToolDefinition, ...]:
     """OpenAI's tools: [{"type": "function", "function": {name, description, parameters}}]."""
-    if value is None:
-        return ()
-    if not isinstance(value, list):
-        raise bad("tools", "must be a list of tools")
     tools = []
-    for index, tool in enumerate(value):
-        at = f"tools[{index}]"
-        if not isinstance(tool, dict):
-            raise bad(at, 'must be {"type": "function", "function": {...}}')
-        if tool.get("type") != "function":
-            raise bad(f"{at}.type", "only function tools are served")
+    for at, tool in function_tools(value, '{"type": "function", "function": {...}}'):
         function = tool.get("function")
         if not isinstance(function, dict):
             raise bad(f"{at}.function", "must be an object with a name")
-        name = function.get("name")
-        description = function.get("description") or ""
-        if not isinstance(name, str):
-            raise bad(f"{at}.function.name", "must be a string")
-        if not isinstance(description, str):
-            raise bad(f"{at}.function.description", "must be a string")
-        parameters = function.get("parameters")
-        if parameters is None:
-            parameters = {"type": "object", "properties": {}}
-        if not isinstance(parameters, dict):
-            raise bad(f"{at}.function.parameters", "must be a JSON Schema object")
-        tools.append(ToolDefinition(name, description, json.dumps(parameters)))
+        tools.append(tool_definition(function, f"{at}.function"))
     return tuple(tools)
 
 
-_TOOL_CHOICES = {
+def function_tools(value: Any, shape: str) -> list[tuple[str, dict[str, Any]]]:
+    """A `tools` list's entries, each a function tool (of the route's `shape`), with its path."""
+    if value is None:
+        return []
+    if not isinstance(value, list):
+        raise bad("tools", "must be a list of tools")
+    found = []
+    for index, tool in enumerate(value):
+        at = f"tools[{index}]"
+        if not isinstance(tool, dict):
+            raise bad(at, f"must be {shape}")
+        if tool.get("type") != "function":
+            raise bad(f"{at}.type", "only function tools are served (not OpenAI's hosted tools)")
+        found.append((at, tool))
+    return found
+
+
+def tool_definition(function: Mapping[str, Any], at: str) -> ToolDefinition:
+    """A function tool's {name, description, parameters} (its bounds are the validator's)."""
+    name = function.get("name")
+    description = function.get("description") or ""
+    if not isinstance(name, str):
+        raise bad(f"{at}.name", "must be a string")
+    if not isinstance(description, str):
+        raise bad(f"{at}.description", "must be a string")
+    parameters = function.get("parameters")
+    if parameters is None:
+        parameters = {"type": "object", "properties": {}}
+    if not isinstance(parameters, dict):
+        raise bad(f"{at}.parameters", "must be a JSON Schema object")
+    return ToolDefinition(name, description, json.dumps(parameters))
+
+
+TOOL_CHOICES = {
     mode.value: mode for mode in (ToolChoiceMode.AUTO, ToolChoiceMode.NONE, ToolChoiceMode.REQUIRED)
 }
+"""tool_choice's strings, the same on every route."""
 
 
 def _tool_choice(value: Any) -> ToolChoice | None:
     if value is None:
         return None
-    if isinstance(value, str) and value in _TOOL_CHOICES:
-        return ToolChoice(_TOOL_CHOICES[value])
+    if isinstance(value, str) and value in TOOL_CHOICES:
+        return ToolChoice(TOOL_CHOICES[value])
     function = value.get("function") if isinstance(value, dict) else None
     if isinstance(value, dict) and value.get("type") == "function" and isinstance(function, dict):
         name = function.get("name")
@@ -454,19 +503,24 @@ def _tool_choice(value: Any) -> ToolChoice | None:
 
 def _top_k(fields: Mapping[str, Any]) -> int:
     """vLLM's top_k: -1 (or 0, or unset) keeps every token."""
-    value = _optional(fields, "top_k", int)
+    value = optional(fields, "top_k", int)
     return 0 if value is None or value == -1 else int(value)
 
 
-def _content(value: Any, where: str) -> str:
+_CHAT_PARTS = frozenset({"text"})
+
+
+def content_text(value: Any, where: str, kinds: frozenset[str] = _CHAT_PARTS) -> str:
+    """A message's content, a string or a list of text parts (of the types `kinds`), as one text."""
     if isinstance(value, str):
         return value
     if isinstance(value, list):
         parts: list[str] = []
         for index, part in enumerate(value):
-            text = part.get("text") if isinstance(part, dict) and part.get("type") == "text" else None
+            text = part.get("text") if isinstance(part, dict) and part.get("type") in kinds else None
             if not isinstance(text, str):
-                raise bad(f"{where}.content[{index}]", 'only {"type": "text", "text": ...} parts are served')
+                shapes = " or ".join(f'{{"type": "{kind}", "text": ...}}' for kind in sorted(kinds))
+                raise bad(f"{where}.content[{index}]", f"only {shapes} parts are served")
             parts.append(text)
         return "".join(parts)
     raise bad(f"{where}.content", "must be a string or a list of text parts")
@@ -490,7 +544,7 @@ def _max_tokens(fields: Mapping[str, Any], names: tuple[str, ...]) -> tuple[int 
     if len(given) > 1:
         raise bad(given[1], f"give {' or '.join(names)}, not both")
     name = given[0] if given else names[0]
-    return _optional(fields, name, int), name
+    return optional(fields, name, int), name
 
 
 def _stop(value: Any) -> tuple[str, ...]:
@@ -515,16 +569,24 @@ def _response_format(value: Any) -> ResponseFormat | None:
     if kind == "text":
         return None
     if kind == "json_object":
-        return ResponseFormat(FormatKind.JSON_SCHEMA, '{"type": "object"}')
+        return JSON_OBJECT
     if kind != "json_schema":
         raise bad("response_format.type", "must be text, json_object or json_schema")
-    described = value.get("json_schema")
+    return json_schema_format(value.get("json_schema"), "response_format.json_schema")
+
+
+def json_schema_format(described: Any, where: str) -> ResponseFormat:
+    """A json_schema response format, `described` holding its `schema` (`where` names it)."""
     if not isinstance(described, dict):
-        raise bad("response_format.json_schema", "must be an object with a schema")
+        raise bad(where, "must be an object with a schema")
     schema = described.get("schema", {})
     if not isinstance(schema, dict | bool):
-        raise bad("response_format.json_schema.schema", "must be a JSON Schema object")
+        raise bad(f"{where}.schema", "must be a JSON Schema object")
     return ResponseFormat(FormatKind.JSON_SCHEMA, json.dumps(schema))
+
+
+JSON_OBJECT = ResponseFormat(FormatKind.JSON_SCHEMA, '{"type": "object"}')
+"""The json_object response format: any JSON object."""
 
 
 def _priority(value: str | None) -> Priority | None:
@@ -549,7 +611,7 @@ def _timeout(value: str | None) -> float | None:
     return seconds
 
 
-def _optional(fields: Mapping[str, Any], name: str, kind: type[bool] | type[int], *, prefix: str = "") -> Any:
+def optional(fields: Mapping[str, Any], name: str, kind: type[bool] | type[int], *, prefix: str = "") -> Any:
     value = fields.get(name)
     if value is None:
         return None
@@ -563,7 +625,7 @@ def _optional(fields: Mapping[str, Any], name: str, kind: type[bool] | type[int]
     return value
 
 
-def _optional_number(fields: Mapping[str, Any], name: str) -> float | None:
+def optional_number(fields: Mapping[str, Any], name: str) -> float | None:
     value = fields.get(name)
     if value is None:
         return None

@@ -26,7 +26,9 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
+from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.types import (
     CompletionChoice,
     FinishReason,
@@ -34,6 +36,8 @@ from tokenwire.server.engine.types import (
     TimingReport,
     TokenLogprobs,
 )
+from tokenwire.server.openai_api.errors import error_object
+from tokenwire.server.openai_api.parsing import ParsedRequest
 from tokenwire.server.text.tool_calls import ContentDelta, ReaderDelta, ToolCallReader
 from tokenwire.server.text.tools import ToolCall, ToolCalling
 
@@ -97,6 +101,35 @@ def usage(result: GenerationResult) -> dict[str, object]:
     return found
 
 
+class StreamWriter(Protocol):
+    """The events of one streamed answer, in its route's format."""
+
+    def opening(self) -> bytes:
+        """What the stream says once the generation has started."""
+        ...
+
+    def tokens(self, text: str, logprobs: Sequence[TokenLogprobs], index: int = 0) -> bytes: ...
+
+    def closing(self, result: GenerationResult) -> bytes:
+        """The stream's last events, for a generation that completed."""
+        ...
+
+    def failure(self, error: GenerationError) -> bytes:
+        """The stream's last event, for a generation that failed after the stream began."""
+        ...
+
+
+WholeAnswer = Callable[[Identity, ParsedRequest, GenerationResult], bytes]
+"""The body of an answer that does not stream."""
+StreamAnswer = Callable[[Identity, ParsedRequest], StreamWriter]
+"""The writer of a streamed answer's events."""
+
+
+def whole_completion(identity: Identity, parsed: ParsedRequest, result: GenerationResult) -> bytes:
+    """A chat completion's or completion's whole body."""
+    return completion(identity, result, logprobs=parsed.spec.logprobs)
+
+
 def completion(identity: Identity, result: GenerationResult, *, logprobs: bool) -> bytes:
     """The whole answer of a request that did not stream: one choice per completion (n)."""
     completions = result.choices or (
@@ -157,6 +190,16 @@ class ChunkWriter:
         """Per completion, how much text its chunks have carried (the legacy logprobs' offsets)."""
         self._readers: dict[int, ToolCallReader] = {}
 
+    @classmethod
+    def of(cls, identity: Identity, parsed: ParsedRequest) -> ChunkWriter:
+        """The writer of a chat completion's or completion's chunks for `parsed`."""
+        return cls(
+            identity,
+            logprobs=parsed.spec.logprobs,
+            include_usage=parsed.include_usage,
+            completions=parsed.spec.n or 1,
+        )
+
     def opening(self) -> bytes:
         """Chat's first chunk of each completion names the role; completions have none."""
         if not self._identity.chat:
@@ -212,6 +255,9 @@ class ChunkWriter:
             return data + self._event(finishes[-1], extension) + DONE
         last = {**_head(self._identity, chunk=True), "choices": [], "usage": usage(result), **extension}
         return data + self._event(finishes[-1]) + self._frame(last) + DONE
+
+    def failure(self, error: GenerationError) -> bytes:
+        return error_event(error_object(error))
 
     def _reader(self, index: int) -> ToolCallReader:
         reader = self._readers.get(index)
