@@ -143,6 +143,8 @@ def main() -> None:
             f"--max-loras={ADAPTERS + 1}",
             f"--max-lora-rank={args.rank}",
             "--prefix-cache-mb=0",
+            "--no-metrics",
+            "--no-access-log",
         ]
         steps: dict[str, list[float]] = {
             "plain graph, base": [],
@@ -152,7 +154,11 @@ def main() -> None:
         load_gaps: dict[str, list[float]] = {"no load": [], "adapter loaded mid-run": []}
         load_seconds: list[float] = []
         with (
-            benchkit.ServerProcess(plain_dir, max_batch_size=STREAMS, extra=["--prefix-cache-mb=0"]) as plain,
+            benchkit.ServerProcess(
+                plain_dir,
+                max_batch_size=STREAMS,
+                extra=["--prefix-cache-mb=0", "--no-metrics", "--no-access-log"],
+            ) as plain,
             benchkit.ServerProcess(lora_dir, max_batch_size=STREAMS, extra=lora_flags) as lora,
         ):
             base_only = [""] * STREAMS
