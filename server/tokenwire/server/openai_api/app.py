@@ -347,24 +347,14 @@ class OpenAIApp:
         receive: Receive,
         send: Send,
     ) -> None:
-        if method != "POST":
-            await _refuse_method(send, ending, metadata, "POST")
-            return
-        if not await self._takes_body(metadata, ending, send):
-            return
-        loop = asyncio.get_running_loop()
-        try:
-            body = await self._read_body(metadata, received, receive)
+        async def answer(body: bytes) -> bytes:
+            loop = asyncio.get_running_loop()
             parsed = await loop.run_in_executor(self._workers, parse_embeddings, body)
             embedded = await self._embedder.embed(parsed.request)
             # The response grows with the inputs: it is written off the event loop too.
-            response = await loop.run_in_executor(self._workers, embeddings_json, embedded, parsed.encoding)
-        except GenerationError as error:
-            ending.refused(error)
-            await _respond(send, _refusal(error))
-            return
-        ending.served()
-        await _respond(send, _ok(response))
+            return await loop.run_in_executor(self._workers, embeddings_json, embedded, parsed.encoding)
+
+        await self._post_json(method, metadata, received, ending, receive, send, answer)
 
     # -- /v1/load_lora_adapter, /v1/unload_lora_adapter ------------------------------------------
 
@@ -378,21 +368,39 @@ class OpenAIApp:
         receive: Receive,
         send: Send,
     ) -> None:
-        assert self._adapter_admin is not None
+        admin = self._adapter_admin
+        assert admin is not None
+        loading = path == LOAD_PATH
+
+        async def answer(body: bytes) -> bytes:
+            check_may_manage(self._callers.identify(metadata))
+            change = await asyncio.get_running_loop().run_in_executor(
+                self._workers, functools.partial(parse_adapter_change, body, loading=loading)
+            )
+            return await apply_adapter_change(admin, change, loading=loading)
+
+        await self._post_json(method, metadata, received, ending, receive, send, answer)
+
+    async def _post_json(
+        self,
+        method: str,
+        metadata: list[tuple[str, str]],
+        received: float,
+        ending: RequestEnding,
+        receive: Receive,
+        send: Send,
+        answer: Callable[[bytes], Awaitable[bytes]],
+    ) -> None:
+        """A POST route answered whole in JSON: refused unless authenticated and JSON, its body
+        read within the bounds, then `answer(body)` (its GenerationError the refusal)."""
         if method != "POST":
             await _refuse_method(send, ending, metadata, "POST")
             return
         if not await self._takes_body(metadata, ending, send):
             return
-        loading = path == LOAD_PATH
-        loop = asyncio.get_running_loop()
         try:
-            check_may_manage(self._callers.identify(metadata))
             body = await self._read_body(metadata, received, receive)
-            change = await loop.run_in_executor(
-                self._workers, functools.partial(parse_adapter_change, body, loading=loading)
-            )
-            response = await apply_adapter_change(self._adapter_admin, change, loading=loading)
+            response = await answer(body)
         except GenerationError as error:
             ending.refused(error)
             await _respond(send, _refusal(error))
