@@ -236,8 +236,8 @@ SMOLLM2_135M = SharedKvLayout(
     kv_heads=3,
     head_dim=64,
     kv_dtype=np.dtype(np.float32),
-    past_names=(),
-    present_names=(),
+    past_names=tuple(f"past_key_values.{layer}.{kind}" for layer in range(30) for kind in ("key", "value")),
+    present_names=tuple(f"present.{layer}.{kind}" for layer in range(30) for kind in ("key", "value")),
     logits_dtype=np.dtype(np.float32),
 )
 """The default model's KV geometry (its genai_config.json: 30 layers, 3 KV heads of 64)."""
@@ -256,9 +256,9 @@ def quantity_bytes(text: str) -> int:
 def test_cpu_memory_covers_the_kv_cache_and_the_weights() -> None:
     rendered = Rendered("cpu", render("cpu"))
     env = rendered.env
-    kv = SMOLLM2_135M.cache_bytes(
+    kv = SMOLLM2_135M.geometry(
         int(env["TOKENWIRE_MAX_BATCH_SIZE"]), int(env["TOKENWIRE_MAX_CONTEXT_LENGTH"])
-    )
+    ).total_bytes
     assert kv == 8 * 2048 * 30 * 3 * 64 * 2 * 4  # the arithmetic docs/deploy.md writes out
     resources = rendered.container["resources"]
     assert quantity_bytes(resources["requests"]["memory"]) >= kv + SMOLLM2_WEIGHTS

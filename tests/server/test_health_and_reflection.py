@@ -63,7 +63,7 @@ async def test_reflection_lists_and_describes_the_service(server: TokenwireServe
     services, package, methods = await asyncio.to_thread(ask_reflection)
     assert {SERVICE_NAME, "grpc.health.v1.Health"} <= services
     assert package == "tokenwire.v1"
-    assert methods == {"Generate", "GenerateStream", "StreamGenerate", "ListModels"}
+    assert methods == {"Generate", "GenerateStream", "StreamGenerate", "ListModels", "Embed"}
 
 
 async def test_reflection_describes_every_service_it_lists_orca_s_included(server: TokenwireServer) -> None:

@@ -4,6 +4,7 @@ anything is allocated, naming the flags and what would fit; what is allocated is
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import replace
 from pathlib import Path
 
@@ -68,7 +69,15 @@ def test_a_cache_within_the_bound_loads_and_the_log_reports_the_bytes_allocated(
     assert loaded.info.kv_cache_bytes == exactly * CONTEXT * per_position == 2**20
     where = "ONNX Runtime memory on cpu" if each_kv_location.kv_cache_location == "device" else "host memory"
     assert loaded.info.kv_cache_placement.startswith(where)
-    (line,) = [r.getMessage() for r in caplog.records if "KV cache" in r.getMessage()]
+    # This load's line: the load runs on this thread (a server another test left loading could
+    # log its own model's line meanwhile, in the whole suite's process).
+    lines = [
+        r.getMessage()
+        for r in caplog.records
+        if "KV cache" in r.getMessage() and r.thread == threading.get_ident()
+    ]
+    assert len(lines) == 1, lines
+    (line,) = lines
     assert f"KV cache 1.0 MiB ({2**20} bytes) allocated in {where}" in line
     assert f"(--kv-cache-location {each_kv_location.kv_cache_location}) for {exactly} slots" in line
 

@@ -140,7 +140,7 @@ async def test_unknown_model_is_404_and_unknown_routes_and_methods_are_refused(
     assert raised.value.body["code"] == "model_not_found"  # type: ignore[index]
     port = http_server.http_port
     assert port is not None
-    missing = await request(port, "POST", "/v1/embeddings", {"input": "x"})
+    missing = await request(port, "POST", "/v1/audio/speech", {"input": "x"})
     assert missing.status == 404 and missing.error()["code"] == "not_found"
     wrong = await request(port, "GET", "/v1/chat/completions")
     assert wrong.status == 405 and wrong.headers["allow"] == "POST"
