@@ -31,6 +31,7 @@ LAYERS = {
 """A module may import its own layer's packages and those below it, never above."""
 OUTSIDE_THE_LAYERS = {
     "model_tools",
+    "adapter_loading",
     "app",
     "cli",
     "config",

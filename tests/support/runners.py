@@ -6,7 +6,14 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from tokenwire.server.models.runner import KvRowAccess, ModelInfo, ModelRunner, ModelRunnerError
+from tokenwire.server.models.adapters import NO_ADAPTER, AdapterStacks
+from tokenwire.server.models.runner import (
+    AdapterRunner,
+    KvRowAccess,
+    ModelInfo,
+    ModelRunner,
+    ModelRunnerError,
+)
 
 
 class DelegatingRunner:
@@ -22,11 +29,29 @@ class DelegatingRunner:
     def capacity(self) -> int:
         return self.inner.capacity()
 
-    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+    # Adapters pass through too: a wrapper over a runner with LoRA sites is told each row's slot.
+    @property
+    def adapters(self) -> AdapterStacks | None:
+        return self.inner.adapters if isinstance(self.inner, AdapterRunner) else None
+
+    def prefill(
+        self, seq_id: int, token_ids: Sequence[int], *, start: int, adapter: int = NO_ADAPTER
+    ) -> np.ndarray:
+        if adapter != NO_ADAPTER and isinstance(self.inner, AdapterRunner):
+            return self.inner.prefill(seq_id, token_ids, start=start, adapter=adapter)
         return self.inner.prefill(seq_id, token_ids, start=start)
 
-    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+    def decode(
+        self, seq_ids: Sequence[int], token_ids: Sequence[int], *, adapters: Sequence[int] | None = None
+    ) -> np.ndarray:
+        # Slots only when given: a wrapped wrapper may predate adapters (decode without them).
+        if adapters is not None and isinstance(self.inner, AdapterRunner):
+            return self.inner.decode(seq_ids, token_ids, adapters=adapters)
         return self.inner.decode(seq_ids, token_ids)
+
+    def assign_adapters(self, seq_ids: Sequence[int], adapters: Sequence[int]) -> None:
+        if isinstance(self.inner, AdapterRunner):
+            self.inner.assign_adapters(seq_ids, adapters)
 
     def release(self, seq_id: int) -> None:
         self.inner.release(seq_id)

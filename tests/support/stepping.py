@@ -67,9 +67,11 @@ class GatedRunner(DelegatingRunner):
         super().__init__(inner)
         self._gate = gate
 
-    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+    def decode(
+        self, seq_ids: Sequence[int], token_ids: Sequence[int], *, adapters: Sequence[int] | None = None
+    ) -> np.ndarray:
         self._gate.pass_through()
-        return self.inner.decode(seq_ids, token_ids)
+        return super().decode(seq_ids, token_ids, adapters=adapters)
 
 
 def gated(gate: StepGate):  # type: ignore[no-untyped-def]
@@ -95,9 +97,11 @@ class SteadyRunner(DelegatingRunner):
         super().__init__(inner)
         self._step_seconds = step_seconds
 
-    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+    def decode(
+        self, seq_ids: Sequence[int], token_ids: Sequence[int], *, adapters: Sequence[int] | None = None
+    ) -> np.ndarray:
         began = time.monotonic()
-        logits = self.inner.decode(seq_ids, token_ids)
+        logits = super().decode(seq_ids, token_ids, adapters=adapters)
         left = self._step_seconds - (time.monotonic() - began)
         if left > 0:
             time.sleep(left)

@@ -151,6 +151,7 @@ class GenerateRequest(_message.Message):
     TOOLS_FIELD_NUMBER: _builtins.int
     TOOL_CHOICE_FIELD_NUMBER: _builtins.int
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Client-chosen identifier: at most 128 characters, each printable ASCII other than space
     ("!" to "~"); anything else is INVALID_ARGUMENT. Required in StreamGenerate, where it must be
@@ -214,6 +215,15 @@ class GenerateRequest(_message.Message):
     """
     parallel_tool_calls: _builtins.bool
     """Whether one output may hold several calls (at most 8 when a call is forced). Unset: true."""
+    adapter: _builtins.str
+    """-- LoRA adapters --
+
+    The LoRA adapter the model runs with for this request, by name (ModelInfo.adapters lists
+    them: 1 to 64 characters). Default (empty): the base model alone. Requests with different
+    adapters, and without one, are decoded in one batch. NOT_FOUND naming "adapter" for one this
+    model does not serve; PERMISSION_DENIED naming "adapter" for one the caller's token is not
+    given (the token file's adapters= option).
+    """
     @_builtins.property
     def messages(self) -> _containers.RepeatedCompositeFieldContainer[Global___ChatMessage]:
         """Chat conversation, rendered through the model's chat template with a generation prompt appended.
@@ -289,10 +299,11 @@ class GenerateRequest(_message.Message):
         tools: _abc.Iterable[Global___ToolDefinition] | None = ...,
         tool_choice: Global___ToolChoice | None = ...,
         parallel_tool_calls: _builtins.bool | None = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_prompt", b"_prompt", "parallel_tool_calls", b"parallel_tool_calls", "prompt", b"prompt", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "tool_choice", b"tool_choice"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_prompt", b"_prompt", "idempotency_key", b"idempotency_key", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "top_logprobs", b"top_logprobs"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls", "_prompt", b"_prompt", "adapter", b"adapter", "idempotency_key", b"idempotency_key", "logprobs", b"logprobs", "messages", b"messages", "model", b"model", "n", b"n", "parallel_tool_calls", b"parallel_tool_calls", "priority", b"priority", "prompt", b"prompt", "request_id", b"request_id", "response_format", b"response_format", "sampling", b"sampling", "stopping", b"stopping", "timeout", b"timeout", "token_ids", b"token_ids", "tool_choice", b"tool_choice", "tools", b"tools", "top_logprobs", b"top_logprobs"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__parallel_tool_calls: _TypeAlias = _typing.Literal["parallel_tool_calls"]  # noqa: Y015
     _WhichOneofArgType__parallel_tool_calls: _TypeAlias = _typing.Literal["_parallel_tool_calls", b"_parallel_tool_calls"]  # noqa: Y015
@@ -1344,6 +1355,7 @@ class ModelInfo(_message.Message):
     IS_DEFAULT_FIELD_NUMBER: _builtins.int
     MAX_BATCH_SIZE_FIELD_NUMBER: _builtins.int
     FORMAT_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     name: _builtins.str
     """Name to use in GenerateRequest.model."""
     context_length: _builtins.int
@@ -1360,6 +1372,13 @@ class ModelInfo(_message.Message):
     """Layout of the model's ONNX graph: "optimum" (Hugging Face Optimum export) or "genai"
     (ONNX Runtime GenAI, GroupQueryAttention with a shared KV buffer).
     """
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]:
+        """-- LoRA adapters --
+
+        The LoRA adapters served on this model, in load order; empty for a model served without.
+        """
+
     def __init__(
         self,
         *,
@@ -1370,14 +1389,55 @@ class ModelInfo(_message.Message):
         is_default: _builtins.bool = ...,
         max_batch_size: _builtins.int = ...,
         format: _builtins.str = ...,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["context_length", b"context_length", "format", b"format", "has_chat_template", b"has_chat_template", "is_default", b"is_default", "max_batch_size", b"max_batch_size", "name", b"name", "vocab_size", b"vocab_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "context_length", b"context_length", "format", b"format", "has_chat_template", b"has_chat_template", "is_default", b"is_default", "max_batch_size", b"max_batch_size", "name", b"name", "vocab_size", b"vocab_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """AdapterInfo describes one LoRA adapter served on a model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    BASE_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    MEMORY_BYTES_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """Name to use in GenerateRequest.adapter: 1 to 64 characters."""
+    base: _builtins.str
+    """Name of the model the adapter runs on (ModelInfo.name)."""
+    rank: _builtins.int
+    """The adapter's rank: the largest of its modules' ranks, from 1 to the server's --max-lora-rank."""
+    source: _builtins.str
+    """What the adapter was read from: "peft" (adapter_config.json + adapter_model.safetensors) or
+    "gguf" (llama.cpp's LoRA GGUF file).
+    """
+    memory_bytes: _builtins.int
+    """Bytes its weights take in the adapter stacks (on the model's device)."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        base: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        source: _builtins.str = ...,
+        memory_bytes: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["base", b"base", "memory_bytes", b"memory_bytes", "name", b"name", "rank", b"rank", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
 
 @_typing.final
 class EmbedRequest(_message.Message):

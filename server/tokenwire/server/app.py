@@ -12,13 +12,19 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from opentelemetry.sdk.trace.export import SpanExporter
 
+from tokenwire.server.adapter_loading import RuntimeAdapters, load_adapters
 from tokenwire.server.api import errors
+from tokenwire.server.api.adapter_admin import (
+    ADAPTER_ADMIN_SERVICE,
+    AdapterAdminServicer,
+    add_adapter_admin_service,
+)
 from tokenwire.server.api.admission import Admission
 from tokenwire.server.api.chat import chat_prompts
 from tokenwire.server.api.handlers import SERVICE_NAME, add_inference_service
 from tokenwire.server.api.orca import ORCA_SERVICE, LoadReportTrailers, OrcaService, add_orca_service
 from tokenwire.server.api.reflection import enable_reflection
-from tokenwire.server.api.registry import ModelRegistry, ServedModel
+from tokenwire.server.api.registry import AdapterCatalog, ModelRegistry, ServedModel
 from tokenwire.server.api.request_ids import GenerationRegistry
 from tokenwire.server.api.servicer import InferenceServicer
 from tokenwire.server.api.stream import StreamCaps
@@ -111,6 +117,8 @@ class TokenwireServer:
         )
         """The one admission of both edges: the same callers, gateway headers, idempotency keys,
         limits and validation for a gRPC call and an HTTP request."""
+        self.adapter_admin = RuntimeAdapters(self.registry)
+        """LoRA adapters loaded and unloaded while serving, through either edge."""
         self.load_tracker = LoadTracker()
         watermarks = self.health if settings.health.queue_high_watermark is not None else None
         observers: list[EngineObserver | None] = [
@@ -187,6 +195,7 @@ class TokenwireServer:
             self.telemetry.requests,
             self.callers,
             tokens=tokens,
+            adapter_admin=self.adapter_admin,
             max_body_bytes=settings.max_receive_message_bytes,
             body_timeout=settings.http.body_timeout,
         )
@@ -218,6 +227,7 @@ class TokenwireServer:
             ),
         )
         add_inference_service(self._servicer, server)
+        add_adapter_admin_service(AdapterAdminServicer(self.adapter_admin, self.callers), server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health.servicer, server)
         add_orca_service(
             OrcaService(self.load_tracker, min_interval=settings.load_report_min_interval), server
@@ -227,6 +237,7 @@ class TokenwireServer:
                 server,
                 (
                     SERVICE_NAME,
+                    ADAPTER_ADMIN_SERVICE,
                     health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
                     ORCA_SERVICE,
                 ),
@@ -251,10 +262,15 @@ class TokenwireServer:
             max_batch_size=settings.engine.max_batch_size,
             max_context_length=settings.max_context_length,
             session=SessionSettings(device=settings.device, intra_op_threads=settings.intra_op_threads),
+            max_loras=settings.max_loras,
+            max_lora_rank=settings.max_lora_rank,
             kv_cache=settings.kv_cache,
         )
         for source in settings.models:
             loaded = await asyncio.to_thread(load_model, source.path, load_settings, name=source.name)
+            # The adapters go on the first model, before its warm-up and before any request.
+            loras = settings.loras if source is settings.models[0] else ()
+            catalog = AdapterCatalog(await asyncio.to_thread(load_adapters, loaded, loras))
             await asyncio.to_thread(warm_up, loaded.runner)
             if self._wrap_model is not None:
                 loaded = self._wrap_model(loaded)
@@ -287,8 +303,9 @@ class TokenwireServer:
                 chat,
                 settings.limits,
                 ToolCallFormat.JSON if template is None else template.tool_format,
+                adapters=catalog.names,
             )
-            self.registry.add(ServedModel(loaded, engine, validator))
+            self.registry.add(ServedModel(loaded, engine, validator, catalog))
         self.lifecycle.enter(ServingPhase.SERVING)
 
     async def drain(self, timeout: float) -> bool:

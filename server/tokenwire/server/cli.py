@@ -78,14 +78,16 @@ def _serve(args: argparse.Namespace) -> int:
     # GroupQueryAttention on CUDA is half precision only: a GPU gets the float16 export.
     dtype = "float16" if choose_provider(settings.device) == CUDA_PROVIDER else "float32"
     try:
-        settings = replace(settings, models=_servable(settings.models, dtype))
+        # Adapters need a graph with LoRA sites: a GGUF file is converted with them then.
+        settings = replace(settings, models=_servable(settings.models, dtype, lora=bool(settings.loras)))
     except _GgufRefusedError as refused:
         print(f"tokenwire serve: {refused}", file=sys.stderr)
         return 2
     if not settings.models:
         from tokenwire.server.model_tools.pull import pull_model
 
-        default = ModelSource(pull_model(DEFAULT_MODEL, dtype=dtype), DEFAULT_MODEL)
+        pulled = pull_model(DEFAULT_MODEL, dtype=dtype, lora=bool(settings.loras))
+        default = ModelSource(pulled, DEFAULT_MODEL)
         settings = replace(settings, models=(default,))
     from tokenwire.server.main import run
 
@@ -96,7 +98,7 @@ class _GgufRefusedError(Exception):
     """A --model GGUF file that cannot be converted: one line names the file and why."""
 
 
-def _servable(models: tuple[ModelSource, ...], dtype: str) -> tuple[ModelSource, ...]:
+def _servable(models: tuple[ModelSource, ...], dtype: str, *, lora: bool) -> tuple[ModelSource, ...]:
     """The models with each GGUF file replaced by its converted directory (converted on first
     use, cached in the user cache), served under the file's name without .gguf."""
     if not any(is_gguf_file(source.path) for source in models):
@@ -110,7 +112,7 @@ def _servable(models: tuple[ModelSource, ...], dtype: str) -> tuple[ModelSource,
             servable.append(source)
             continue
         try:
-            directory = converted_gguf(source.path, progress=sys.stderr.isatty(), dtype=dtype)
+            directory = converted_gguf(source.path, progress=sys.stderr.isatty(), dtype=dtype, lora=lora)
         except (ConversionError, OSError) as error:
             raise _GgufRefusedError(f"--model: {error}") from None
         servable.append(ModelSource(directory, source.name or source.path.stem))

@@ -12,6 +12,7 @@ and bounds derive from that field. Only a rule between settings needs a line in 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -63,6 +64,18 @@ class ModelSource:
     """A converted model directory, or a .gguf file (`tokenwire serve` converts it first)."""
     name: str | None = None
     """Name clients use; defaults to the directory's name (a GGUF file's: its name without .gguf)."""
+
+
+ADAPTER_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+"""What an adapter may be called: no ':' (the OpenAI edge's `base:adapter`), at most 64 characters."""
+
+
+@dataclass(frozen=True)
+class LoraSource:
+    """One `--lora NAME=PATH`: a PEFT adapter directory or a GGUF adapter file, served as NAME."""
+
+    name: str
+    path: Path
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -144,6 +157,17 @@ class HealthSettings:
 class ServerSettings:
     models: tuple[ModelSource, ...] = ()
     """Not a setting of the usual kind (NAME=DIR, repeatable): see settings_sources.py."""
+    loras: tuple[LoraSource, ...] = ()
+    """LoRA adapters served on the first model (--lora NAME=PATH, repeatable): see settings_sources.py."""
+    max_loras: int = setting(
+        4,
+        "adapter slots of a model with LoRA sites: the most adapters loaded at once (each --lora takes one)",
+        group=ENGINE,
+        minimum=1,
+    )
+    max_lora_rank: int = setting(
+        16, "largest LoRA adapter rank served; sizes the adapter stacks", group=ENGINE, minimum=1
+    )
     device: Device = setting(
         "auto", "where the model runs; auto picks CUDA when ONNX Runtime has it", group=ENGINE
     )
@@ -241,6 +265,7 @@ class ServerSettings:
         for source in self.models:
             if not (source.path.is_dir() or is_gguf_file(source.path)):
                 problems.append(f"--model: {source.path} is neither a model directory nor a .gguf file")
+        problems += self._lora_problems()
         if self.kv_cache.location == "host" and self.device == "cuda":
             problems.append(
                 "--kv-cache-location: host keeps the KV cache in host memory, which a model on "
@@ -253,6 +278,26 @@ class ServerSettings:
             [caller for _, caller in self.auth.token_callers()], authenticated=self.auth.enabled
         )
         problems += self._http_problems()
+        return problems
+
+    def _lora_problems(self) -> list[str]:
+        problems: list[str] = []
+        if len(self.loras) > self.max_loras:
+            problems.append(f"--lora: {len(self.loras)} adapters given, over --max-loras {self.max_loras}")
+        seen: set[str] = set()
+        for source in self.loras:
+            if not ADAPTER_NAME.match(source.name):
+                problems.append(
+                    f"--lora: adapter name {source.name[:80]!r} must be 1 to 64 letters, digits, '.', '_' "
+                    "or '-', starting with a letter or digit"
+                )
+            elif source.name in seen:
+                problems.append(f"--lora: two adapters are named {source.name!r}")
+            seen.add(source.name)
+            if not (source.path.is_dir() or source.path.is_file()):
+                problems.append(
+                    f"--lora: {source.name}={source.path} is neither a PEFT adapter directory nor a file"
+                )
         return problems
 
     def _http_problems(self) -> list[str]:

@@ -102,6 +102,7 @@ class LoadTracker(NullObserver):
         completion_tokens: int,
         timing: TimingReport,
         caller: str = "anonymous",
+        adapter: str = "",
     ) -> None:
         now = self._clock()
         with self._lock:

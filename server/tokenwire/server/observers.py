@@ -24,6 +24,7 @@ class ObserverFanOut:
         completion_tokens: int,
         timing: TimingReport,
         caller: str = "anonymous",
+        adapter: str = "",
     ) -> None:
         for observer in self._observers:
             observer.request_finished(
@@ -34,6 +35,7 @@ class ObserverFanOut:
                 completion_tokens=completion_tokens,
                 timing=timing,
                 caller=caller,
+                adapter=adapter,
             )
 
     def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:

@@ -21,10 +21,11 @@ import math
 import sys
 import typing
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from tokenwire.server.config import ModelSource, ServerSettings
+from tokenwire.server.config import LoraSource, ModelSource, ServerSettings
 from tokenwire.server.engine.types import Caller
 from tokenwire.server.security import tls
 from tokenwire.server.security.auth import AUTH_TOKENS_ENV, TokenFileError, load_token_callers
@@ -55,7 +56,7 @@ AUTH_TOKENS_FILE = Setting(
 """Read here into AuthSettings.tokens; no field holds the file's path."""
 
 SETTINGS: tuple[Setting, ...] = (AUTH_TOKENS_FILE, *declared_settings(ServerSettings))
-SETTING_KEYS = frozenset(s.key for s in SETTINGS) | {"model"}
+SETTING_KEYS = frozenset(s.key for s in SETTINGS) | {"model", "lora"}
 
 
 class SettingsError(Exception):
@@ -80,6 +81,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model directory, or GGUF file (converted once into the cache), to serve (repeat for several; "
         "the first is the default). Without any, the default model is pulled once and served from the "
         f"cache [{MODEL_ENV}]",
+    )
+    parser.add_argument(
+        "--lora",
+        action="append",
+        metavar="NAME=PATH",
+        help="LoRA adapter to serve on the first model, as NAME: a PEFT adapter directory or a GGUF "
+        "adapter file (repeat for several, at most --max-loras); a request picks it by "
+        "GenerateRequest.adapter, or the OpenAI model field NAME or BASE:NAME",
     )
     groups = {title: parser.add_argument_group(title) for title in GROUPS}
     for setting in SETTINGS:
@@ -135,6 +144,7 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerSettings
             problems.append(f"{origin}: {error}")
             values[setting.key] = setting.default
     models = _models(args.model, environ, file_values.get("model"), base, problems)
+    loras = _loras(getattr(args, "lora", None), file_values.get("lora"), base, problems)
     tokens: tuple[tuple[str, Caller], ...] = ()
     try:
         tokens = load_token_callers(_optional_path(values["auth_tokens_file"]), environ)
@@ -142,7 +152,7 @@ def load(args: argparse.Namespace, environ: Mapping[str, str]) -> ServerSettings
         problems.append(str(error))
     if problems:
         raise SettingsError(problems)
-    settings = _build(values, models, tokens)
+    settings = replace(_build(values, models, tokens), loras=loras)
     problems += settings.validate(require_models=False)
     if settings.telemetry.otlp_endpoint and not otlp_exporter_installed():
         problems.append("--otlp-endpoint: the OTLP exporter is not installed: pip install 'tokenwire[otlp]'")
@@ -265,6 +275,32 @@ def _models(
         problems.append("--model (from model in the config file): must be a string or a list of strings")
         return ()
     return tuple(_model_source(entry, base) for entry in entries)
+
+
+def _loras(
+    flags: Sequence[str] | None, from_file: object, base: Path, problems: list[str]
+) -> tuple[LoraSource, ...]:
+    """The --lora NAME=PATH values (or the config file's `lora` list of them)."""
+    relative_to: Path | None = None
+    entries: object = flags
+    if not flags:
+        if from_file is None:
+            return ()
+        entries, relative_to = from_file, base
+    if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+        problems.append("--lora (from lora in the config file): must be a list of NAME=PATH strings")
+        return ()
+    found = []
+    for entry in entries:
+        name, sep, path = entry.partition("=")
+        if not sep or not name or not path:
+            problems.append(f"--lora: {entry[:80]!r} is not NAME=PATH")
+            continue
+        located = Path(path).expanduser()
+        if relative_to is not None and not located.is_absolute():
+            located = relative_to / located
+        found.append(LoraSource(name, located))
+    return tuple(found)
 
 
 def _model_source(value: str, relative_to: Path | None) -> ModelSource:

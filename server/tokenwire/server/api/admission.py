@@ -180,9 +180,14 @@ class Admission:
                         tool_calling=self._tool_calling(spec),
                     )
             self._lifecycle.check_accepting()
+            model, adapter = self._registry.route(spec.model, spec.adapter)
+            if (model, adapter) != (spec.model, spec.adapter):
+                spec = replace(spec, model=model, adapter=adapter)
             served = self._registry.resolve(spec.model)
             record.resolved(served.name)
             request_bounds.check_against_model(sizes, self._limits, served.model.info.context_length)
+            served.validator.check_adapter(spec, caller)
+            record.runs_adapter(spec.adapter)
             # A request the queue would refuse whatever its prompt is refused before its prompt
             # is tokenized: a flood over its share must not spend the cores the others need.
             served.engine.check_room(caller)

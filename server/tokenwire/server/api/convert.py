@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable
 
 from google.protobuf.duration_pb2 import Duration
 
 from tokenwire.server.api.admission import AdmissionInput
 from tokenwire.server.api.decoding import UndecodableRequest
+from tokenwire.server.api.registry import ServedAdapter
 from tokenwire.server.api.request_bounds import RequestSizes
 from tokenwire.server.api.tool_output import ToolOutput, ends_with_calls
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
@@ -92,6 +94,7 @@ def request_spec(message: pb.GenerateRequest) -> RequestSpec:
     return RequestSpec(
         request_id=message.request_id,
         model=message.model,
+        adapter=message.adapter,
         prompt=message.prompt if message.HasField("prompt") else None,
         messages=tuple(
             ChatTurn(
@@ -342,8 +345,11 @@ def queued_event(request_id: str, position: int) -> pb.StreamGenerateResponse:
     return pb.StreamGenerateResponse(request_id=request_id, queued=pb.Queued(position=position))
 
 
-def model_info(info: ModelInfo, *, has_chat_template: bool, is_default: bool) -> pb.ModelInfo:
+def model_info(
+    info: ModelInfo, *, has_chat_template: bool, is_default: bool, adapters: Iterable[ServedAdapter] = ()
+) -> pb.ModelInfo:
     return pb.ModelInfo(
+        adapters=[adapter_info(a) for a in adapters],
         name=info.name,
         context_length=info.context_length,
         vocab_size=info.vocab_size,
@@ -367,3 +373,13 @@ def duration(seconds: float) -> Duration:
 
 def _seconds(value: Duration) -> float:
     return value.seconds + value.nanos / 1e9
+
+
+def adapter_info(adapter: ServedAdapter) -> pb.AdapterInfo:
+    return pb.AdapterInfo(
+        name=adapter.name,
+        base=adapter.base,
+        rank=adapter.rank,
+        source=adapter.source,
+        memory_bytes=adapter.memory_bytes,
+    )

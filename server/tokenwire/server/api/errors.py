@@ -21,6 +21,7 @@ CODES: dict[ErrorKind, grpc.StatusCode] = {
     ErrorKind.INTERNAL: grpc.StatusCode.INTERNAL,
     ErrorKind.UNAUTHENTICATED: grpc.StatusCode.UNAUTHENTICATED,
     ErrorKind.ALREADY_EXISTS: grpc.StatusCode.ALREADY_EXISTS,
+    ErrorKind.PERMISSION_DENIED: grpc.StatusCode.PERMISSION_DENIED,
 }
 
 RETRY_PUSHBACK_HEADER = "grpc-retry-pushback-ms"

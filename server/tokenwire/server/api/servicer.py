@@ -138,7 +138,10 @@ class InferenceServicer(pb_grpc.InferenceServiceServicer):
         return pb.ListModelsResponse(
             models=[
                 convert.model_info(
-                    s.model.info, has_chat_template=s.model.chat_template is not None, is_default=index == 0
+                    s.model.info,
+                    has_chat_template=s.model.chat_template is not None,
+                    is_default=index == 0,
+                    adapters=s.adapters,
                 )
                 for index, s in enumerate(served)
             ]

@@ -58,7 +58,8 @@ from tokenwire.server.engine.types import (
     TokensGenerated,
 )
 from tokenwire.server.engine.verification import Describe, DraftProposer, runs_speculation, verify_run
-from tokenwire.server.models.runner import HiddenStates, ModelRunner, MultiTokenDecode
+from tokenwire.server.models.adapters import NO_ADAPTER
+from tokenwire.server.models.runner import AdapterRunner, HiddenStates, ModelRunner, MultiTokenDecode
 from tokenwire.server.sampling.constraint import MaskWorkspace
 from tokenwire.server.sampling.logprobs import token_logprob
 from tokenwire.server.sampling.sampler import pick_tokens
@@ -108,6 +109,10 @@ class EngineCore:
         self._publish_step = hooks.publish_step
         self._clock = clock
         self._model = runner.info.name
+        # A runner over a graph with LoRA sites is told every row's adapter slot.
+        self._lora: AdapterRunner | None = None
+        if isinstance(runner, AdapterRunner) and runner.adapters is not None:
+            self._lora = runner
         self._multi: MultiTokenDecode | None = None
         self._proposer: DraftProposer | None = None
         if runs_speculation(runner, speculation):
@@ -213,7 +218,12 @@ class EngineCore:
         prompt = request.prompt_ids
         began = self._clock()
         try:
-            logits = self._runner.prefill(request.key, prompt[chunk.start : chunk.end], start=chunk.start)
+            tokens = prompt[chunk.start : chunk.end]
+            if self._lora is None:
+                logits = self._runner.prefill(request.key, tokens, start=chunk.start)
+            else:
+                adapter = self._adapter_slot(request)
+                logits = self._lora.prefill(request.key, tokens, start=chunk.start, adapter=adapter)
         except Exception as error:
             log.exception("prefill failed for request %s", request.submitted.request_id)
             self._stats.step_failures += 1
@@ -261,9 +271,13 @@ class EngineCore:
         began = self._clock()
         try:
             if drafts is None:
-                logits = self._runner.decode(keys, [o.last_token for o in outputs])
+                logits = self._decode_step(requests, [o.last_token for o in outputs])
             else:
                 assert self._multi is not None
+                if self._lora is not None:
+                    # Every row's slot, every step: a sequence whose rows were copied in (a fork,
+                    # a swap back in) runs with its adapter from its first step.
+                    self._lora.assign_adapters(keys, [self._adapter_slot(r) for r in requests])
                 runs = self._multi.decode_runs(
                     keys, [[o.last_token, *d] for o, d in zip(outputs, drafts, strict=True)]
                 )
@@ -292,6 +306,16 @@ class EngineCore:
                     self._accept_run(request, row_logits, row_drafts, now, outcome)
         # What the rows waited for their tokens: the model call and the sampling and verifying.
         outcome.step_seconds = self._clock() - began
+
+    def _adapter_slot(self, request: Request) -> int:
+        assert self._lora is not None and self._lora.adapters is not None
+        return NO_ADAPTER if not request.adapter else self._lora.adapters.slot(request.adapter)
+
+    def _decode_step(self, requests: list[Request], tokens: list[int]) -> np.ndarray:
+        keys = [request.key for request in requests]
+        if self._lora is None:
+            return self._runner.decode(keys, tokens)
+        return self._lora.decode(keys, tokens, adapters=[self._adapter_slot(r) for r in requests])
 
     def _drafts(
         self, rows: list[tuple[Request, DecodeRow]], outputs: list[RequestOutput]
@@ -434,6 +458,7 @@ class EngineCore:
             completion_tokens=completion_tokens,
             timing=timing,
             caller=request.caller.name,
+            adapter=request.adapter,
         )
         self._drop(request)
         return Finished(request.key, service)

@@ -95,6 +95,9 @@ class Engine:
         without it a request with one is refused."""
         self._runner = runner
         self._config = config
+        # Adapters being unloaded: refused to new requests while the live ones finish.
+        self._retired_adapters: set[str] = set()
+        self._delivery_waiters: list[asyncio.Event] = []
         self._clock = clock
         self._observer: EngineObserver = observer or NullObserver()
         self._check_accepting = check_accepting
@@ -189,6 +192,13 @@ class Engine:
         with self._lock:
             if self._stopping:
                 raise _stopped()
+            if request.adapter in self._retired_adapters:
+                raise GenerationError(
+                    ErrorKind.NOT_FOUND,
+                    f"adapter {request.adapter!r} is being unloaded",
+                    violations=(FieldViolation("adapter", "this adapter is being unloaded"),),
+                    reason="ADAPTER_NOT_FOUND",
+                )
             # n completions count as n requests against the queue (and their caller's share).
             refusal = self._scheduler.refusal(
                 request.caller,
@@ -308,6 +318,34 @@ class Engine:
             self._inbox.aborts.extend(Abort(k, reason, requested_at_step=step) for k in keys)
             self._inbox.abort_requests += 1
             self._wakeup.notify()
+
+    # -- adapters being unloaded ------------------------------------------------------------------
+
+    def retire_adapter(self, name: str) -> None:
+        """Refuse new requests for adapter `name` (its unload has begun); live ones run on."""
+        with self._lock:
+            self._retired_adapters.add(name)
+
+    def restore_adapter(self, name: str) -> None:
+        """Its slot is free (or the unload gave up): the name may be loaded and used again."""
+        with self._lock:
+            self._retired_adapters.discard(name)
+
+    def adapter_in_use(self, name: str) -> bool:
+        """Whether a live request (queued or running) runs with adapter `name`."""
+        with self._lock:
+            live = (self._scheduler.get(key) for key in self._scheduler.live_keys())
+            return any(request is not None and request.adapter == name for request in live)
+
+    async def wait_adapter_unused(self, name: str) -> None:
+        """Until no live request runs with adapter `name`: checked again after every batch of
+        events the engine delivers, which is how each request's end reaches the event loop."""
+        while True:
+            delivered = asyncio.Event()
+            self._delivery_waiters.append(delivered)
+            if not self.adapter_in_use(name):
+                return
+            await delivered.wait()
 
     @property
     def prefix_cache_stats(self) -> PrefixCacheStats | None:
@@ -460,6 +498,9 @@ class Engine:
                 log.exception("event sink failed")
         if self._idle is not None and idle and self.live_count == 0:
             self._idle.set()
+        waiters, self._delivery_waiters = self._delivery_waiters, []
+        for waiter in waiters:
+            waiter.set()
 
 
 def _stopped() -> GenerationError:

@@ -15,6 +15,7 @@ class ErrorKind(Enum):
     INTERNAL = "internal"
     UNAUTHENTICATED = "unauthenticated"
     ALREADY_EXISTS = "already_exists"
+    PERMISSION_DENIED = "permission_denied"
 
 
 MAX_VIOLATIONS = 8

@@ -123,14 +123,20 @@ class KvReuse:
     # -- prefix cache ----------------------------------------------------------------------------
 
     def look_up(self, request: Request) -> int:
-        """Lease the longest prefix of the request's prompt that its tenant's requests cached (a
-        tenant never finds another tenant's blocks); the tokens found (0: none)."""
+        """Lease the longest prefix of the request's prompt that its tenant's requests cached
+        under the same adapter (a tenant never finds another tenant's blocks, nor a request the
+        KV another adapter computed); the tokens found (0: none)."""
         if self._cache is None:
             return 0
         # At least MIN_CHUNK prompt tokens are left to prefill: the last one's logits are needed,
         # and a shorter chunk would compute them differently from a prefill without the cache.
         prompt = request.prompt_ids
-        lease = self._cache.lookup(prompt, limit=len(prompt) - MIN_CHUNK, tenant=request.caller.tenant)
+        # An adapter changes every position's KV, so each adapter's prefixes are a tree of their
+        # own: the cache's tenant is the caller's tenant and the adapter (NUL never is in a name).
+        tenant = (
+            request.caller.tenant if not request.adapter else f"{request.caller.tenant}\0{request.adapter}"
+        )
+        lease = self._cache.lookup(prompt, limit=len(prompt) - MIN_CHUNK, tenant=tenant)
         request.kv.prefix = lease
         request.kv.prefix_tokens = lease.tokens
         return lease.tokens

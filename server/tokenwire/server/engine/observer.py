@@ -21,8 +21,10 @@ class EngineObserver(Protocol):
         completion_tokens: int,
         timing: TimingReport,
         caller: str = "anonymous",
+        adapter: str = "",
     ) -> None:
-        """A request left the engine: ok, cancelled, deadline, stopped, unavailable or error."""
+        """A request left the engine: ok, cancelled, deadline, stopped, unavailable or error.
+        adapter: the LoRA adapter it ran with (empty: the base model)."""
         return None
 
     def decode_step(self, *, model: str, batch_size: int, seconds: float) -> None:

@@ -172,6 +172,11 @@ class Request:
         return self.submitted.caller
 
     @property
+    def adapter(self) -> str:
+        """The LoRA adapter its model runs with; empty: the base model."""
+        return self.submitted.adapter
+
+    @property
     def priority(self) -> Priority:
         return self.submitted.priority
 

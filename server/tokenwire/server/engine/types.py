@@ -57,6 +57,7 @@ _REFUSAL_OUTCOMES = {
     ErrorKind.INVALID_ARGUMENT: Outcome.INVALID,
     ErrorKind.NOT_FOUND: Outcome.INVALID,
     ErrorKind.ALREADY_EXISTS: Outcome.INVALID,
+    ErrorKind.PERMISSION_DENIED: Outcome.INVALID,
     ErrorKind.RESOURCE_EXHAUSTED: Outcome.REJECTED,
     ErrorKind.UNAVAILABLE: Outcome.REJECTED,
     ErrorKind.UNAUTHENTICATED: Outcome.UNAUTHENTICATED,
@@ -115,6 +116,8 @@ class Caller:
     """Most requests this caller may have waiting; None: only its fair share limits it."""
     group: str | None = None
     """Callers of one group reuse each other's cached prompt prefixes; None: a group of its own."""
+    adapters: frozenset[str] | None = None
+    """The LoRA adapters this caller may ask for; None: every one served (the base model always)."""
 
     @property
     def tenant(self) -> str:
@@ -157,6 +160,8 @@ class GenerationRequest:
     n: int = 1
     """Completions to generate from the prompt (prefilled once); with a seed, completion i
     samples with seed + i (modulo 2**64)."""
+    adapter: str = ""
+    """The LoRA adapter the model runs with for this request; empty: the base model."""
 
 
 MAX_COMPLETIONS = 16

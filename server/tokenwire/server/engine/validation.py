@@ -11,12 +11,13 @@ import json
 import math
 import secrets
 from collections.abc import Callable, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import jsonschema
 
-from tokenwire.server.engine.errors import MAX_VIOLATIONS, FieldViolation, GenerationError, excerpt
-from tokenwire.server.engine.types import MAX_COMPLETIONS, GenerationRequest, Priority, StopConditions
+from tokenwire.server.engine.errors import MAX_VIOLATIONS, ErrorKind, FieldViolation, GenerationError, excerpt
+from tokenwire.server.engine.types import MAX_COMPLETIONS, Caller, GenerationRequest, Priority, StopConditions
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.sampling.params import FormatKind, ResponseFormat, SamplingParams
 from tokenwire.server.sampling.tool_grammar import tool_format
@@ -121,6 +122,8 @@ class RequestSpec:
     """None: AUTO when tools are offered."""
     parallel_tool_calls: bool | None = None
     """None: calls in parallel are allowed."""
+    adapter: str = ""
+    """The LoRA adapter to run with; empty: the base model."""
 
 
 # The size bounds of a request, worded once: the edges check them on the decoded request before
@@ -195,10 +198,13 @@ class RequestValidator:
         chat: ChatPromptIds | None,
         limits: RequestLimits,
         tool_format: ToolCallFormat = ToolCallFormat.JSON,
+        adapters: AbstractSet[str] = frozenset(),
     ) -> None:
         """chat: the model's conversations to prompt tokens; None: it has no chat template.
-        tool_format: how the model writes tool calls (its chat template's format)."""
+        tool_format: how the model writes tool calls (its chat template's format).
+        adapters: the LoRA adapters served on the model (a live set: loads and unloads change it)."""
         self._info = info
+        self._adapters = adapters
         self._tokenizer = tokenizer
         self._chat = chat
         self._limits = limits
@@ -206,6 +212,28 @@ class RequestValidator:
         self._mistral_marker = (
             tokenizer.token_to_id("[TOOL_CALLS]") if tool_format is ToolCallFormat.MISTRAL else None
         )
+
+    def check_adapter(self, spec: RequestSpec, caller: Caller) -> None:
+        """Refuse an adapter this model does not serve (NOT_FOUND) or the caller was not given
+        (PERMISSION_DENIED), naming the field; before any of the request's other work."""
+        name = spec.adapter
+        if not name:
+            return
+        if name not in self._adapters:
+            served = ", ".join(sorted(self._adapters)) or "none"
+            raise GenerationError(
+                ErrorKind.NOT_FOUND,
+                f"adapter {excerpt(name)!r} is not served on model {self._info.name} (served: {served})",
+                violations=(FieldViolation("adapter", "no adapter of that name is served on this model"),),
+                reason="ADAPTER_NOT_FOUND",
+            )
+        if caller.adapters is not None and name not in caller.adapters:
+            raise GenerationError(
+                ErrorKind.PERMISSION_DENIED,
+                f"caller {caller.name} may not use adapter {name!r}",
+                violations=(FieldViolation("adapter", "not among the adapters this caller is given"),),
+                reason="ADAPTER_NOT_ALLOWED",
+            )
 
     @property
     def limits(self) -> RequestLimits:
@@ -278,6 +306,7 @@ class RequestValidator:
             response_format=response_format,
             priority=spec.priority or Priority.DEFAULT,
             n=1 if spec.n is None else spec.n,
+            adapter=spec.adapter,
         )
 
     def _check_response_format(self, spec: RequestSpec) -> list[FieldViolation]:

@@ -24,6 +24,7 @@ import platformdirs
 from tqdm import tqdm
 
 from tokenwire.server.model_tools.convert import conversion_is_current, convert_gguf
+from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 HOME_ENV = "TOKENWIRE_HOME"
@@ -80,16 +81,23 @@ def known_model(name: str) -> KnownModel:
 
 
 def pull_model(
-    name: str = DEFAULT_MODEL, *, home: Path | None = None, progress: bool = True, dtype: str = "float32"
+    name: str = DEFAULT_MODEL,
+    *,
+    home: Path | None = None,
+    progress: bool = True,
+    dtype: str = "float32",
+    lora: bool = False,
 ) -> Path:
     """The converted model directory for `name`, downloading and converting it on first use.
 
-    The directory is `$TOKENWIRE_HOME/models/<name>` (`<name>-float16` for a float16 export),
-    with TOKENWIRE_HOME defaulting to the user cache directory.
+    The directory is `$TOKENWIRE_HOME/models/<name>` (`<name>-float16` for a float16 export,
+    `-lora` added for a graph with LoRA sites on every projection), with TOKENWIRE_HOME
+    defaulting to the user cache directory.
     """
     known_model(name)
     root = tokenwire_home(home)
-    target = root / "models" / (name if dtype == "float32" else f"{name}-{dtype}")
+    stem = name if dtype == "float32" else f"{name}-{dtype}"
+    target = root / "models" / (f"{stem}-lora" if lora else stem)
     if conversion_is_current(target):
         return target
     gguf_path = fetch_gguf(name, home=root, progress=progress)
@@ -103,7 +111,9 @@ def pull_model(
                 bar.update(round(fraction * 100) - bar.n)
 
             try:
-                convert_gguf(gguf_path, out_dir, dtype=dtype, progress=report)
+                convert_gguf(
+                    gguf_path, out_dir, dtype=dtype, progress=report, lora=LoraOptions() if lora else None
+                )
             except Exception as error:
                 raise ModelPullError(f"converting {gguf_path.name} failed: {error}") from error
         _publish(out_dir, target)
@@ -111,19 +121,25 @@ def pull_model(
 
 
 def converted_gguf(
-    gguf_path: Path, *, home: Path | None = None, progress: bool = True, dtype: str = "float32"
+    gguf_path: Path,
+    *,
+    home: Path | None = None,
+    progress: bool = True,
+    dtype: str = "float32",
+    lora: bool = False,
 ) -> Path:
     """The servable directory for a GGUF file of one's own, converted on first use.
 
     The directory is `$TOKENWIRE_HOME/models/gguf/<stem>-<key>`: the key digests the file's
-    resolved path, size and modification time and the dtype, so serving the same file again
+    resolved path, size and modification time, the dtype and whether the graph has LoRA sites
+    (on every projection, for `lora`), so serving the same file again
     reuses its conversion and a file replaced in place is converted again. Raises
     ConversionError (naming what is wrong) for a file the converter refuses, leaving nothing
     behind.
     """
     resolved = gguf_path.expanduser().resolve()
     found = resolved.stat()
-    identity = f"{resolved}\0{found.st_size}\0{found.st_mtime_ns}\0{dtype}"
+    identity = f"{resolved}\0{found.st_size}\0{found.st_mtime_ns}\0{dtype}" + ("\0lora" if lora else "")
     key = hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     target = tokenwire_home(home) / "models" / "gguf" / f"{resolved.stem}-{key}"
     if conversion_is_current(target):
@@ -137,7 +153,9 @@ def converted_gguf(
                 bar.set_postfix_str(stage)
                 bar.update(round(fraction * 100) - bar.n)
 
-            convert_gguf(resolved, out_dir, dtype=dtype, progress=report)
+            convert_gguf(
+                resolved, out_dir, dtype=dtype, progress=report, lora=LoraOptions() if lora else None
+            )
         _publish(out_dir, target)
     return target
 

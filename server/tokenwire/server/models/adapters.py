@@ -31,6 +31,7 @@ import numpy as np
 import onnxruntime as ort
 from numpy.typing import NDArray
 
+from tokenwire.server.models.runner import ModelRunnerError
 from tokenwire.server.models.session import FLOAT_TENSOR_TYPES
 
 F32 = NDArray[np.float32]
@@ -387,3 +388,43 @@ class AdapterStacks:
                 value = self._device_values.get(name)
                 if value is not None:
                     value.update_inplace(self._host[name])
+
+
+class RowAdapters:
+    """Which adapter slot each sequence of a runner runs with, for its graph's `lora_index`.
+
+    A sequence keeps the slot it was last given; one never given a slot runs the base model.
+    Without stacks (a graph with no LoRA sites) only NO_ADAPTER is accepted.
+    """
+
+    def __init__(self, stacks: AdapterStacks | None, model: str) -> None:
+        self.stacks = stacks
+        self._model = model
+        self._slot_of: dict[int, int] = {}
+
+    def assign(self, seq_ids: Sequence[int], slots: Sequence[int] | None) -> None:
+        """Give `seq_ids[i]` slot `slots[i]`; None leaves every sequence its own."""
+        if slots is None:
+            return
+        if len(slots) != len(seq_ids):
+            raise ModelRunnerError(f"{len(seq_ids)} sequences but {len(slots)} adapter slots")
+        limit = 0 if self.stacks is None else self.stacks.max_loras
+        for seq_id, slot in zip(seq_ids, slots, strict=True):
+            if not 0 <= slot <= limit:
+                if self.stacks is None:
+                    raise ModelRunnerError(f"{self._model}'s graph takes no LoRA adapters")
+                raise ModelRunnerError(f"adapter slot {slot} is outside the stacks (0 to {limit})")
+            if self.stacks is not None:
+                self._slot_of[seq_id] = slot
+
+    def of(self, seq_id: int) -> int:
+        return self._slot_of.get(seq_id, NO_ADAPTER)
+
+    def forget(self, seq_id: int) -> None:
+        self._slot_of.pop(seq_id, None)
+
+    def bind(self, binding: ort.IOBinding, seq_ids: Sequence[int]) -> None:
+        """Bind the stacks and `lora_index` for a call whose rows are `seq_ids`, in order."""
+        if self.stacks is not None:
+            self.stacks.bind(binding)
+            binding.bind_cpu_input(LORA_INDEX, np.asarray([self.of(s) for s in seq_ids], dtype=np.int64))

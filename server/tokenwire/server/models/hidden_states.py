@@ -26,6 +26,7 @@ import numpy as np
 import onnx
 import onnxruntime as ort
 
+from tokenwire.server.models.adapters import LORA_INDEX, NO_ADAPTER, AdapterStacks
 from tokenwire.server.models.runner import ModelRunnerError
 from tokenwire.server.models.session import run_bound
 
@@ -93,15 +94,22 @@ class HiddenStatePass:
     kv_heads: int
     head_dim: int
     kv_dtype: np.dtype[np.floating]
+    adapters: AdapterStacks | None = None
+    """The stacks of a graph with LoRA sites: an embedding runs every row with the base model."""
 
     @classmethod
     def over(
-        cls, session: ort.InferenceSession, output: str | None, past_names: Sequence[str], kv: KvGeometry
+        cls,
+        session: ort.InferenceSession,
+        output: str | None,
+        past_names: Sequence[str],
+        kv: KvGeometry,
+        adapters: AdapterStacks | None = None,
     ) -> HiddenStatePass | None:
         """The pass over `session`'s `output`; None where the graph exposes none."""
         if output is None:
             return None
-        return cls(session, output, past_names, kv.kv_heads, kv.head_dim, kv.kv_dtype)
+        return cls(session, output, past_names, kv.kv_heads, kv.head_dim, kv.kv_dtype, adapters)
 
     def size(self) -> int:
         """Floats in one position's hidden state: the output's static last dimension, or what a
@@ -128,6 +136,9 @@ class HiddenStatePass:
         empty = np.zeros((rows, self.kv_heads, 0, self.head_dim), dtype=self.kv_dtype)
         for name in self.past_names:
             binding.bind_cpu_input(name, empty)
+        if self.adapters is not None:
+            self.adapters.bind(binding)
+            binding.bind_cpu_input(LORA_INDEX, np.full(rows, NO_ADAPTER, dtype=np.int64))
         binding.bind_output(self.output, "cpu")
         run_bound(self.session, binding)
         states = binding.get_outputs()[0].numpy()

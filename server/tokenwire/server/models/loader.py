@@ -5,6 +5,9 @@ Two layouts are recognised by their files and graph inputs:
   served by SharedKvRunner.
 - "optimum": a Hugging Face Optimum export (model.onnx with past_key_values inputs, config.json),
   served by OptimumRunner.
+
+A graph with LoRA sites (built with them: model_tools/convert/lora_graph.py) gets its adapter
+stacks here, sized by the settings' adapter bounds, empty until adapters are loaded into them.
 """
 
 from __future__ import annotations
@@ -15,6 +18,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import onnxruntime as ort
+
+from tokenwire.server.models.adapters import AdapterStacks, LoraLayout
 from tokenwire.server.models.hidden_states import expose_hidden_states
 from tokenwire.server.models.kv_settings import KvCacheSettings
 from tokenwire.server.models.kv_store import open_kv_store
@@ -47,6 +53,10 @@ class LoadSettings:
     max_context_length: int = 2048
     """Upper bound on a sequence's length; the preallocated KV cache is sized from it."""
     session: SessionSettings = field(default_factory=SessionSettings)
+    max_loras: int = 4
+    """Adapter slots of a graph with LoRA sites: the most adapters loaded at once."""
+    max_lora_rank: int = 16
+    """The largest adapter rank the stacks hold."""
     kv_cache: KvCacheSettings = field(default_factory=KvCacheSettings)
 
 
@@ -56,6 +66,9 @@ class LoadedModel:
     runner: ModelRunner
     tokenizer: Tokenizer
     chat_template: ChatTemplate | None
+    adapters: AdapterStacks | None = None
+    """The adapter stacks of a graph with LoRA sites; None: the graph takes no adapters."""
+    directory: Path | None = None
 
 
 def detect_format(model_dir: Path) -> str:
@@ -120,10 +133,40 @@ class _Common:
             pooling=self.pooling,
         )
 
-    def loaded(self, info: ModelInfo, runner: ModelRunner) -> LoadedModel:
+    def loaded(
+        self, info: ModelInfo, runner: ModelRunner, adapters: AdapterStacks | None, directory: Path
+    ) -> LoadedModel:
         return LoadedModel(
-            info=info, runner=runner, tokenizer=self.tokenizer, chat_template=self.chat_template
+            info=info,
+            runner=runner,
+            tokenizer=self.tokenizer,
+            chat_template=self.chat_template,
+            adapters=adapters,
+            directory=directory,
         )
+
+    def adapter_stacks(self, session: ort.InferenceSession) -> AdapterStacks | None:
+        """Empty stacks for a graph with LoRA sites; None for one without."""
+        layout = LoraLayout.from_session(session)
+        if layout is None:
+            return None
+        settings = self.settings
+        stacks = AdapterStacks(
+            layout,
+            max_loras=settings.max_loras,
+            max_rank=settings.max_lora_rank,
+            device=self.device,
+            device_id=settings.session.device_id,
+        )
+        log.info(
+            "model %s: %d LoRA sites, adapter stacks %.1f MiB for %d adapters of rank up to %d",
+            self.name,
+            len(layout.sites),
+            stacks.nbytes / 2**20,
+            settings.max_loras,
+            settings.max_lora_rank,
+        )
+        return stacks
 
 
 def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
@@ -172,8 +215,14 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
             f"failed: {error}"
         ) from error
     info = replace(info, kv_cache_bytes=store.allocated_bytes, kv_cache_placement=store.describe())
+    adapters = common.adapter_stacks(session)
     runner = SharedKvRunner(
-        session, info, layout, store, hidden_output=exposed.hidden_output if exposed else None
+        session,
+        info,
+        layout,
+        store,
+        hidden_output=exposed.hidden_output if exposed else None,
+        adapters=adapters,
     )
     info = runner.info
     log.info(
@@ -188,7 +237,7 @@ def _load_genai(model_dir: Path, common: _Common) -> LoadedModel:
         settings.max_batch_size,
         "ONNX Runtime on the same device" if store.location == "device" else "NumPy",
     )
-    return common.loaded(info, runner)
+    return common.loaded(info, runner, adapters, model_dir)
 
 
 def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
@@ -212,8 +261,13 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
         search_defaults=generation,
     )
     info = replace(info, kv_cache_placement=f"ONNX Runtime memory on {common.device}")
+    adapters = common.adapter_stacks(session)
     runner = OptimumRunner(
-        session, info, common.device, hidden_output=exposed.hidden_output if exposed else None
+        session,
+        info,
+        common.device,
+        hidden_output=exposed.hidden_output if exposed else None,
+        adapters=adapters,
     )
     _check_kv_bound(runner.kv_bytes_per_token(), info, common.settings)
     log.info(
@@ -223,7 +277,7 @@ def _load_optimum(model_dir: Path, common: _Common) -> LoadedModel:
         info.context_length,
         info.kv_cache_placement,
     )
-    return common.loaded(runner.info, runner)
+    return common.loaded(runner.info, runner, adapters, model_dir)
 
 
 def _check_kv_bound(bytes_per_position: int, info: ModelInfo, settings: LoadSettings) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import onnxruntime as ort
 
+from tokenwire.server.models.adapters import NO_ADAPTER, AdapterStacks, RowAdapters
 from tokenwire.server.models.hidden_states import HiddenStatePass
 from tokenwire.server.models.runner import ModelInfo, ModelRunnerError
 from tokenwire.server.models.session import FLOAT_TENSOR_TYPES, run_bound
@@ -101,15 +102,23 @@ class OptimumRunner:
     """ModelRunner over an Optimum-layout session with a left-padded, growing batch cache."""
 
     def __init__(
-        self, session: ort.InferenceSession, info: ModelInfo, device: str, *, hidden_output: str | None = None
+        self,
+        session: ort.InferenceSession,
+        info: ModelInfo,
+        device: str,
+        *,
+        hidden_output: str | None = None,
+        adapters: AdapterStacks | None = None,
     ) -> None:
         """`hidden_output`: the graph output holding the head's input (models/hidden_states.py),
-        for embeddings; None where the graph has none."""
+        for embeddings; None where the graph has none. `adapters`: the stacks of a graph with
+        LoRA sites."""
         self._session = session
+        self._row_adapters = RowAdapters(adapters, info.name)
         self._device = device
         self._layout = OptimumLayout.from_session(session)
         self._past_names = self._layout.kv_names("past_key_values")
-        self._hidden = HiddenStatePass.over(session, hidden_output, self._past_names, self._layout)
+        self._hidden = HiddenStatePass.over(session, hidden_output, self._past_names, self._layout, adapters)
         self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
         self._present_names = self._layout.kv_names("present")
         self._prefilling: dict[int, _Prefilling] = {}
@@ -131,6 +140,10 @@ class OptimumRunner:
     def info(self) -> ModelInfo:
         return self._info
 
+    @property
+    def adapters(self) -> AdapterStacks | None:
+        return self._row_adapters.stacks
+
     def capacity(self) -> int:
         return self._info.max_batch_size
 
@@ -141,7 +154,10 @@ class OptimumRunner:
 
     # -- prefill ---------------------------------------------------------------------------------
 
-    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+    def prefill(
+        self, seq_id: int, token_ids: Sequence[int], *, start: int, adapter: int = NO_ADAPTER
+    ) -> np.ndarray:
+        self._row_adapters.assign([seq_id], [adapter])
         state = self._prefilling.get(seq_id)
         if start == 0 or state is None:
             if start != 0:
@@ -158,14 +174,17 @@ class OptimumRunner:
         }
         if self._layout.has_position_ids:
             feeds["position_ids"] = np.arange(state.length, total, dtype=np.int64).reshape(1, n_new)
-        logits, kv = self._run(feeds, state.kv)
+        logits, kv = self._run(feeds, state.kv, [seq_id])
         state.kv = kv
         state.length = total
         return np.array(logits[0, -1], dtype=np.float32)
 
     # -- decode ----------------------------------------------------------------------------------
 
-    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+    def decode(
+        self, seq_ids: Sequence[int], token_ids: Sequence[int], *, adapters: Sequence[int] | None = None
+    ) -> np.ndarray:
+        self._row_adapters.assign(seq_ids, adapters)
         wanted = list(seq_ids)
         if set(wanted) != self._decoding() or any(batch.gaps for batch in self._batches):
             self._regroup(wanted)
@@ -188,7 +207,7 @@ class OptimumRunner:
         feeds = {"input_ids": tokens.reshape(-1, 1), "attention_mask": mask}
         if self._layout.has_position_ids:
             feeds["position_ids"] = batch.positions.reshape(-1, 1)
-        logits, kv = self._run(feeds, batch.kv)
+        logits, kv = self._run(feeds, batch.kv, batch.rows)
         batch.kv = kv
         batch.mask = mask
         batch.positions = batch.positions + 1
@@ -200,7 +219,11 @@ class OptimumRunner:
     def can_decode_runs(self) -> bool:
         return self._layout.has_position_ids
 
-    def decode_runs(self, seq_ids: Sequence[int], runs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    def decode_runs(
+        self,
+        seq_ids: Sequence[int],
+        runs: Sequence[Sequence[int]],
+    ) -> list[np.ndarray]:
         if len(seq_ids) != len(runs):
             raise ModelRunnerError(f"{len(seq_ids)} sequences but {len(runs)} runs of tokens")
         if any(not run for run in runs):
@@ -231,7 +254,7 @@ class OptimumRunner:
             "attention_mask": mask,
             "position_ids": batch.positions[:, np.newaxis] + offsets[np.newaxis, :],
         }
-        logits, kv = self._run(feeds, batch.kv)
+        logits, kv = self._run(feeds, batch.kv, batch.rows)
         batch.kv = kv
         batch.mask = mask
         batch.positions = batch.positions + count
@@ -303,6 +326,7 @@ class OptimumRunner:
         return self.start_from_kv(seq_id, [self.read_kv(source_id, 0, positions)])
 
     def release(self, seq_id: int) -> None:
+        self._row_adapters.forget(seq_id)
         self._prefilling.pop(seq_id, None)
         decoding = self._decoding()
         if seq_id in decoding:
@@ -315,12 +339,17 @@ class OptimumRunner:
         empty = np.zeros((1, layout.kv_heads, 0, layout.head_dim), dtype=layout.kv_dtype)
         return [ort.OrtValue.ortvalue_from_numpy(empty, self._device) for _ in self._past_names]
 
+    def assign_adapters(self, seq_ids: Sequence[int], adapters: Sequence[int]) -> None:
+        self._row_adapters.assign(seq_ids, adapters)
+
     def _run(
-        self, feeds: dict[str, np.ndarray], past: list[ort.OrtValue]
+        self, feeds: dict[str, np.ndarray], past: list[ort.OrtValue], rows: Sequence[int]
     ) -> tuple[np.ndarray, list[ort.OrtValue]]:
+        """One call over the sequences `rows`, in batch order."""
         binding = self._session.io_binding()
         for name, value in feeds.items():
             binding.bind_cpu_input(name, value)
+        self._row_adapters.bind(binding, rows)
         for name, value in zip(self._past_names, past, strict=True):
             binding.bind_ortvalue_input(name, value)
         # Logits come back to the host for sampling; the cache stays on the model's device.

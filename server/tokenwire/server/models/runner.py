@@ -9,11 +9,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
 
 from tokenwire.server.models.pooling import Pooling
+
+if TYPE_CHECKING:
+    from tokenwire.server.models.adapters import AdapterStacks
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,34 @@ class MultiTokenDecode(Protocol):
     def rollback(self, seq_id: int, count: int) -> None:
         """Drop the last `count` positions of a decoding sequence's cache (0 <= count <= its
         length); its next decode continues from the positions left."""
+        ...
+
+
+@runtime_checkable
+class AdapterRunner(Protocol):
+    """A runner over a graph with LoRA sites (models/adapters.py): each row runs with the adapter
+    in its slot of the stacks, rows of different adapters and rows without one in one call.
+
+    `prefill` and `decode` take the rows' adapter slots (NO_ADAPTER, 0, for the base model); a
+    sequence keeps the slot it was last given, which is what a multi-token run or a later call
+    without slots uses.
+    """
+
+    @property
+    def adapters(self) -> AdapterStacks | None:
+        """The stacks the graph reads; None where the graph has no LoRA sites."""
+        ...
+
+    def prefill(
+        self, seq_id: int, token_ids: Sequence[int], *, start: int, adapter: int = 0
+    ) -> np.ndarray: ...
+
+    def decode(
+        self, seq_ids: Sequence[int], token_ids: Sequence[int], *, adapters: Sequence[int] | None = None
+    ) -> np.ndarray: ...
+
+    def assign_adapters(self, seq_ids: Sequence[int], adapters: Sequence[int]) -> None:
+        """Give each sequence its adapter slot for the calls to come (`decode_runs`)."""
         ...
 
 

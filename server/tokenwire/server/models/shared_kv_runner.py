@@ -26,6 +26,10 @@ slot, since GroupQueryAttention takes several new positions with a past only at 
 A run's positions take the several-row kernels, so they equal one-token decode to rounding,
 not bitwise. `rollback` only shortens the slot's length, moving no row on any device: positions
 past it are never read, and the next step writes over them.
+
+A graph with LoRA sites also reads the adapter stacks (bound once per binding: loads rewrite
+them in place) and `lora_index`, each row's adapter slot: every sequence keeps the slot its
+last prefill or decode gave it, and rows of free slots ride along with none.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 import onnxruntime as ort
 
+from tokenwire.server.models.adapters import LORA_INDEX, NO_ADAPTER, AdapterStacks, RowAdapters
 from tokenwire.server.models.hidden_states import HiddenStatePass
 from tokenwire.server.models.kv_copy import KvGeometry
 from tokenwire.server.models.kv_store import KvStore, rows_length
@@ -108,13 +113,15 @@ class SharedKvRunner:
         store: KvStore,
         *,
         hidden_output: str | None = None,
+        adapters: AdapterStacks | None = None,
     ) -> None:
         """`store` holds the cache: its geometry gives the slots and each slot's positions.
         `hidden_output`: the graph output holding the head's input (models/hidden_states.py), for
         embeddings; None where the graph has none."""
         self._session = session
+        self._row_adapters = RowAdapters(adapters, info.name)
         self._layout = layout
-        self._hidden = HiddenStatePass.over(session, hidden_output, layout.past_names, layout)
+        self._hidden = HiddenStatePass.over(session, hidden_output, layout.past_names, layout, adapters)
         self._info = replace(info, embedding_size=self._hidden.size() if self._hidden else 0)
         self._kv = store
         self._slots = slots = store.geometry.slots
@@ -123,6 +130,7 @@ class SharedKvRunner:
         self._free: list[int] = list(range(slots))
         heapq.heapify(self._free)
         self._lengths = np.zeros(slots, dtype=np.int64)
+        self._lora_index = np.zeros(slots, dtype=np.int64)
         vocab = info.vocab_size
         self._logits = np.zeros((slots, vocab), dtype=layout.logits_dtype)
         self._input_ids = np.zeros(slots, dtype=np.int64)
@@ -132,10 +140,16 @@ class SharedKvRunner:
         # number of rows changes (binding 60 KV tensors costs about as much as sampling).
         self._binding = session.io_binding()
         self._bound_rows = 0
+        if adapters is not None:  # the decode binding's stacks, once: loads rewrite them in place
+            adapters.bind(self._binding)
 
     @property
     def info(self) -> ModelInfo:
         return self._info
+
+    @property
+    def adapters(self) -> AdapterStacks | None:
+        return self._row_adapters.stacks
 
     def capacity(self) -> int:
         return self._slots
@@ -146,7 +160,9 @@ class SharedKvRunner:
             raise ModelRunnerError(f"{self._info.name} serves no embeddings")
         return self._hidden.run(inputs)
 
-    def prefill(self, seq_id: int, token_ids: Sequence[int], *, start: int) -> np.ndarray:
+    def prefill(
+        self, seq_id: int, token_ids: Sequence[int], *, start: int, adapter: int = NO_ADAPTER
+    ) -> np.ndarray:
         if start == 0:
             self._new_slot(seq_id)
         slot = self._slot_of.get(seq_id)
@@ -155,6 +171,7 @@ class SharedKvRunner:
         total = start + len(token_ids)
         if total > self._max_len:
             raise ModelRunnerError(f"sequence needs {total} positions; the KV cache holds {self._max_len}")
+        self._row_adapters.assign([seq_id], [adapter])
         logits: np.ndarray = self._run_alone(slot, token_ids, last_only=True)[0]
         return logits
 
@@ -162,7 +179,11 @@ class SharedKvRunner:
     def can_decode_runs(self) -> bool:
         return True
 
-    def decode_runs(self, seq_ids: Sequence[int], runs: Sequence[Sequence[int]]) -> list[np.ndarray]:
+    def decode_runs(
+        self,
+        seq_ids: Sequence[int],
+        runs: Sequence[Sequence[int]],
+    ) -> list[np.ndarray]:
         if len(seq_ids) != len(runs):
             raise ModelRunnerError(f"{len(seq_ids)} sequences but {len(runs)} runs of tokens")
         for seq_id, run in zip(seq_ids, runs, strict=True):
@@ -195,7 +216,10 @@ class SharedKvRunner:
         # the next step writes over them.
         self._lengths[slot] -= count
 
-    def decode(self, seq_ids: Sequence[int], token_ids: Sequence[int]) -> np.ndarray:
+    def decode(
+        self, seq_ids: Sequence[int], token_ids: Sequence[int], *, adapters: Sequence[int] | None = None
+    ) -> np.ndarray:
+        self._row_adapters.assign(seq_ids, adapters)
         self._compact()
         slots = np.fromiter((self._slot_of[s] for s in seq_ids), dtype=np.int64, count=len(seq_ids))
         rows = int(self._occupied_end())
@@ -227,6 +251,11 @@ class SharedKvRunner:
             self._bind_kv(binding, first_slot=0, rows=rows)
             self._bound_rows = rows
         binding.bind_input("attention_mask", "cpu", 0, np.int64, [rows, width], mask.ctypes.data)
+        if self._row_adapters.stacks is not None:
+            index = self._lora_index[:rows]
+            index[:] = NO_ADAPTER
+            index[slots] = [self._row_adapters.of(s) for s in seq_ids]
+            binding.bind_input(LORA_INDEX, "cpu", 0, np.int64, [rows], index.ctypes.data)
         run_bound(self._session, binding)
         self._lengths[slots] += 1
         if self._logits.dtype == np.float32 and np.array_equal(slots, self._positions[: len(slots)]):
@@ -275,6 +304,7 @@ class SharedKvRunner:
         return positions
 
     def release(self, seq_id: int) -> None:
+        self._row_adapters.forget(seq_id)
         slot = self._slot_of.pop(seq_id, None)
         if slot is None:
             return
@@ -282,6 +312,9 @@ class SharedKvRunner:
         heapq.heappush(self._free, slot)
 
     # -- internals -------------------------------------------------------------------------------
+
+    def assign_adapters(self, seq_ids: Sequence[int], adapters: Sequence[int]) -> None:
+        self._row_adapters.assign(seq_ids, adapters)
 
     def _new_slot(self, seq_id: int) -> int:
         """A free slot for a sequence starting afresh (any slot it held is freed first)."""
@@ -302,6 +335,8 @@ class SharedKvRunner:
         binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
         binding.bind_output("logits", "cpu")
         self._bind_kv(binding, first_slot=slot, rows=1)
+        owner = next((s for s, at in self._slot_of.items() if at == slot), -1)
+        self._row_adapters.bind(binding, [owner])
         run_bound(self._session, binding)
         self._lengths[slot] = total
         logits = binding.get_outputs()[0].numpy()

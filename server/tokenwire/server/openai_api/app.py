@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import time
@@ -34,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
+from tokenwire.server.api.adapter_admin import AdapterAdmin, check_may_manage
 from tokenwire.server.api.admission import Admission, Admitted
 from tokenwire.server.api.embeddings import Embedder
 from tokenwire.server.api.registry import ModelRegistry
@@ -47,6 +49,12 @@ from tokenwire.server.engine.types import (
     TokensGenerated,
 )
 from tokenwire.server.openai_api import responses, responses_api
+from tokenwire.server.openai_api.adapter_routes import (
+    ADMIN_PATHS,
+    LOAD_PATH,
+    apply_adapter_change,
+    parse_adapter_change,
+)
 from tokenwire.server.openai_api.embeddings import EMBEDDINGS_PATH, embeddings_json, parse_embeddings
 from tokenwire.server.openai_api.endings import RequestEnding
 from tokenwire.server.openai_api.errors import HttpResponse, error_object, http_error
@@ -116,6 +124,8 @@ def operation_of(path: str) -> str:
         return MODELS_PATH
     if path == EMBEDDINGS_PATH:
         return EMBEDDINGS_PATH
+    if path in ADMIN_PATHS:
+        return path
     return excerpt(path, RECORDED_PATH_CHARACTERS)
 
 
@@ -149,6 +159,7 @@ class OpenAIApp:
         callers: CallerDirectory,
         *,
         tokens: BearerTokenInterceptor | None,
+        adapter_admin: AdapterAdmin | None = None,
         max_body_bytes: int,
         body_timeout: float,
         clock: Callable[[], float] = time.monotonic,
@@ -158,6 +169,7 @@ class OpenAIApp:
         self._telemetry = telemetry
         self._callers = callers
         self._tokens = tokens
+        self._adapter_admin = adapter_admin
         self._max_body_bytes = max_body_bytes
         self._body_timeout = body_timeout
         self._clock = clock
@@ -188,6 +200,9 @@ class OpenAIApp:
                 return
             if path == EMBEDDINGS_PATH:
                 await self._embeddings(scope["method"], metadata, received, ending, receive, send)
+                return
+            if path in ADMIN_PATHS and self._adapter_admin is not None:
+                await self._change_adapter(path, scope["method"], metadata, received, ending, receive, send)
                 return
             route = ROUTES.get(path)
             if route is None:
@@ -226,20 +241,23 @@ class OpenAIApp:
         if refused is not None:
             await _refuse(send, ending, refused, close=_declares_body(metadata))
             return
+        entries: dict[str, str | None] = {}
+        for served in self._registry.all():
+            entries[served.name] = None
+            entries.update((adapter.name, served.name) for adapter in served.adapters)
         if path == MODELS_PATH:
-            names = [served.name for served in self._registry.all()]
             ending.served()
-            await _respond(send, _ok(responses.models_list(names, self._created)))
+            await _respond(send, _ok(responses.models_list(list(entries.items()), self._created)))
             return
         name = path[len(MODELS_PATH) + 1 :]
-        if name not in {served.name for served in self._registry.all()}:
+        if name not in entries:
             error = GenerationError(
                 ErrorKind.NOT_FOUND, f"model {name[:256]!r} is not served here", reason="MODEL_NOT_FOUND"
             )
             await _refuse(send, ending, error)
             return
         ending.served()
-        await _respond(send, _ok(responses.model_json(name, self._created)))
+        await _respond(send, _ok(responses.model_json(name, self._created, entries[name])))
 
     def _authenticate(self, metadata: list[tuple[str, str]]) -> GenerationError | None:
         return None if self._tokens is None else self._tokens.check(metadata)
@@ -329,18 +347,60 @@ class OpenAIApp:
         receive: Receive,
         send: Send,
     ) -> None:
+        async def answer(body: bytes) -> bytes:
+            loop = asyncio.get_running_loop()
+            parsed = await loop.run_in_executor(self._workers, parse_embeddings, body)
+            embedded = await self._embedder.embed(parsed.request)
+            # The response grows with the inputs: it is written off the event loop too.
+            return await loop.run_in_executor(self._workers, embeddings_json, embedded, parsed.encoding)
+
+        await self._post_json(method, metadata, received, ending, receive, send, answer)
+
+    # -- /v1/load_lora_adapter, /v1/unload_lora_adapter ------------------------------------------
+
+    async def _change_adapter(
+        self,
+        path: str,
+        method: str,
+        metadata: list[tuple[str, str]],
+        received: float,
+        ending: RequestEnding,
+        receive: Receive,
+        send: Send,
+    ) -> None:
+        admin = self._adapter_admin
+        assert admin is not None
+        loading = path == LOAD_PATH
+
+        async def answer(body: bytes) -> bytes:
+            check_may_manage(self._callers.identify(metadata))
+            change = await asyncio.get_running_loop().run_in_executor(
+                self._workers, functools.partial(parse_adapter_change, body, loading=loading)
+            )
+            return await apply_adapter_change(admin, change, loading=loading)
+
+        await self._post_json(method, metadata, received, ending, receive, send, answer)
+
+    async def _post_json(
+        self,
+        method: str,
+        metadata: list[tuple[str, str]],
+        received: float,
+        ending: RequestEnding,
+        receive: Receive,
+        send: Send,
+        answer: Callable[[bytes], Awaitable[bytes]],
+    ) -> None:
+        """A POST route answered whole in JSON: refused unless authenticated and JSON, its body
+        read within the bounds, then `answer(body)` (its GenerationError the refusal)."""
         if method != "POST":
             await _refuse_method(send, ending, metadata, "POST")
             return
         if not await self._takes_body(metadata, ending, send):
             return
-        loop = asyncio.get_running_loop()
         try:
             body = await self._read_body(metadata, received, receive)
-            parsed = await loop.run_in_executor(self._workers, parse_embeddings, body)
-            embedded = await self._embedder.embed(parsed.request)
-            # The response grows with the inputs: it is written off the event loop too.
-            response = await loop.run_in_executor(self._workers, embeddings_json, embedded, parsed.encoding)
+            response = await answer(body)
         except GenerationError as error:
             ending.refused(error)
             await _respond(send, _refusal(error))
@@ -382,8 +442,10 @@ class OpenAIApp:
 
 
 def admitted_model(parsed: ParsedRequest, registry: ModelRegistry) -> str:
-    """The served model's name: the one asked for, or the default (admission resolved it)."""
-    return parsed.spec.model or registry.default.name
+    """The served model's name: the one asked for (a `base:adapter` or an adapter's name routed
+    to its base, as admission did), or the default."""
+    model, _ = registry.route(parsed.spec.model, parsed.spec.adapter)
+    return model or registry.default.name
 
 
 async def _watch_disconnect(

@@ -19,6 +19,7 @@ STATUSES: dict[ErrorKind, tuple[int, str]] = {
     ErrorKind.NOT_FOUND: (404, "invalid_request_error"),
     ErrorKind.ALREADY_EXISTS: (409, "invalid_request_error"),
     ErrorKind.UNAUTHENTICATED: (401, "authentication_error"),
+    ErrorKind.PERMISSION_DENIED: (403, "permission_error"),
     ErrorKind.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     ErrorKind.DEADLINE_EXCEEDED: (504, "timeout_error"),
     ErrorKind.UNAVAILABLE: (503, "service_unavailable_error"),

@@ -325,8 +325,9 @@ HEADER_RENAMES = {
     "priority": PRIORITY_HEADER,
     "timeout": TIMEOUT_HEADER,
     "idempotency_key": IDEMPOTENCY_HEADER,
+    "adapter": "model",  # not a header: an adapter is named in model, as BASE:ADAPTER or ADAPTER
 }
-"""The RequestSpec fields the headers set."""
+"""The RequestSpec fields the headers set (and the adapter, which the model field names)."""
 
 
 def sampled(fields: Mapping[str, Any], headers: Mapping[str, str], spec: RequestSpec) -> RequestSpec:

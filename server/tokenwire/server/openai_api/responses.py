@@ -355,16 +355,26 @@ def completion_logprobs(items: Sequence[TokenLogprobs], offset: int) -> dict[str
     }
 
 
-def models_list(names: Sequence[str], created: int) -> bytes:
-    return json.dumps({"object": "list", "data": [model_object(name, created) for name in names]}).encode()
+def models_list(entries: Sequence[tuple[str, str | None]], created: int) -> bytes:
+    """The served models and adapters, each as (id, the base model an adapter runs on or None)."""
+    data = [model_object(name, created, parent) for name, parent in entries]
+    return json.dumps({"object": "list", "data": data}).encode()
 
 
-def model_object(name: str, created: int) -> dict[str, object]:
-    return {"id": name, "object": "model", "created": created, "owned_by": "tokenwire"}
+def model_object(name: str, created: int, parent: str | None = None) -> dict[str, object]:
+    """A model, or a LoRA adapter with its base as `parent` (vLLM's fields; `root` is the id)."""
+    return {
+        "id": name,
+        "object": "model",
+        "created": created,
+        "owned_by": "tokenwire",
+        "root": name,
+        "parent": parent,
+    }
 
 
-def model_json(name: str, created: int) -> bytes:
-    return json.dumps(model_object(name, created)).encode()
+def model_json(name: str, created: int, parent: str | None = None) -> bytes:
+    return json.dumps(model_object(name, created, parent)).encode()
 
 
 def _head(identity: Identity, *, chunk: bool) -> dict[str, object]:

@@ -60,7 +60,7 @@ def load_token_callers(
 ) -> tuple[tuple[str, Caller], ...]:
     """(token, caller) pairs from `path` and TOKENWIRE_AUTH_TOKENS (comma-separated plain tokens).
 
-    A file line is a token, or `NAME TOKEN [weight=W] [max_queued=N] [group=GROUP]`
+    A file line is a token, or `NAME TOKEN [weight=W] [max_queued=N] [group=GROUP] [adapters=A,B]`
     (security/callers.py);
     blank lines and # comments are skipped. Raises TokenFileError when the file cannot be read,
     holds no token or has a malformed line (named by its number, never by its token).

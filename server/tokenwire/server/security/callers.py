@@ -3,7 +3,7 @@ and the group it shares cached prompt prefixes with.
 
 The token file keeps its plain form, one token a line, and a line may also name the caller:
 
-    # NAME TOKEN [weight=W] [max_queued=N] [group=GROUP]
+    # NAME TOKEN [weight=W] [max_queued=N] [group=GROUP] [adapters=A,B]
     search-frontend  s3cr3t-token-a  weight=4 group=search
     search-backfill  s3cr3t-token-c  group=search
     nightly-reports  s3cr3t-token-b  weight=1 max_queued=8
@@ -52,10 +52,21 @@ def parse_token_line(line: str) -> tuple[str, Caller]:
     weight = 1.0
     max_queued: int | None = None
     group: str | None = None
+    adapters: frozenset[str] | None = None
     for option in options:
         key, _, value = option.partition("=")
         try:
-            if key == "group":
+            if key == "adapters":
+                # The LoRA adapters this caller may ask for (comma-separated; empty: none).
+                names = [part for part in value.split(",") if part]
+                bad = next((n for n in names if not _NAME.fullmatch(n)), None)
+                if bad is not None:
+                    raise TokenLineError(
+                        f"caller {name!r}: adapter {bad[:80]!r} must be 1 to 64 letters, digits, '.', '_' "
+                        "or '-', starting with a letter or digit"
+                    )
+                adapters = frozenset(names)
+            elif key == "group":
                 if not _NAME.fullmatch(value):
                     raise TokenLineError(
                         f"caller {name!r}: group {value!r} must be 1 to 64 letters, digits, '.', '_' or '-', "
@@ -72,7 +83,7 @@ def parse_token_line(line: str) -> tuple[str, Caller]:
                     raise ValueError
             else:
                 raise TokenLineError(
-                    f"caller {name!r}: unknown option {key!r} (weight=, max_queued=, group=)"
+                    f"caller {name!r}: unknown option {key!r} (weight=, max_queued=, group=, adapters=)"
                 )
         except ValueError as error:
             if isinstance(error, TokenLineError):
@@ -82,7 +93,7 @@ def parse_token_line(line: str) -> tuple[str, Caller]:
                 if key == "weight"
                 else f"caller {name!r}: max_queued must be a whole number >= 0"
             ) from None
-    return token, Caller(name, weight=weight, max_queued=max_queued, group=group)
+    return token, Caller(name, weight=weight, max_queued=max_queued, group=group, adapters=adapters)
 
 
 class CallerDirectory:

@@ -32,6 +32,7 @@ class AccessLog:
             "request_id": summary.request_id,
             "model": summary.model,
             "caller": summary.caller,
+            "adapter": summary.adapter or None,
             "outcome": summary.outcome.value,
             "code": summary.error_code or "OK",
             "reason": summary.error_reason,

@@ -45,6 +45,9 @@ PREFIX_CACHE_HIT_TOKENS = "tokenwire.engine.prefix_cache.hit_tokens"
 MODEL = "gen_ai.request.model"
 OUTCOME = "outcome"
 CALLER = "caller"
+ADAPTER = "adapter"
+"""The LoRA adapter a request ran with: on request counts only, and only where one was named
+(adapters are few, bounded by --max-loras)."""
 """The caller's name from the token file; never a token."""
 
 # Bucket boundaries in seconds, from the GenAI semantic conventions' advice for these metrics.
@@ -238,13 +241,14 @@ class ServerMetrics:
         completion_tokens: int,
         timing: TimingReport,
         caller: str = "anonymous",
+        adapter: str = "",
     ) -> None:
         by_model = {MODEL: model}
         by_outcome = {MODEL: model, OUTCOME: outcome.value}
         # Callers come from the token file (or are the one anonymous caller), so the label's
         # values are few and known in advance. Request counts carry it; the latency histograms
         # stay per model to keep their series few.
-        self._requests.add(1, {**by_outcome, CALLER: caller})
+        self._requests.add(1, {**by_outcome, CALLER: caller, **_adapter_label(adapter)})
         self._request_duration.record(timing.total, by_outcome)
         self._queue_duration.record(timing.queued, by_model)
         if timing.time_to_first_token is not None:
@@ -279,9 +283,13 @@ class ServerMetrics:
 
     # -- API edge (event loop) ------------------------------------------------------------------
 
-    def request_refused(self, *, model: str, outcome: Outcome, caller: str = "anonymous") -> None:
+    def request_refused(
+        self, *, model: str, outcome: Outcome, caller: str = "anonymous", adapter: str = ""
+    ) -> None:
         """A request that never reached the engine: rejected, invalid or unauthenticated."""
-        self._requests.add(1, {MODEL: model, OUTCOME: outcome.value, CALLER: caller})
+        self._requests.add(
+            1, {MODEL: model, OUTCOME: outcome.value, CALLER: caller, **_adapter_label(adapter)}
+        )
 
     # -- gauges (collector thread) --------------------------------------------------------------
 
@@ -326,6 +334,10 @@ class _Occupancy(NamedTuple):
     slots: int
     kv_positions_used: int
     kv_positions: int
+
+
+def _adapter_label(adapter: str) -> dict[str, str]:
+    return {ADAPTER: adapter} if adapter else {}
 
 
 def _fraction(part: int, whole: int) -> float:

@@ -87,6 +87,7 @@ class RequestRecord:
         self._request_id = ""
         self._model = ""
         self._caller = "anonymous"
+        self._adapter = ""
         self._parameters: RequestParameters | None = None
         self._ended = not owner.enabled
         self._queued: float | None = None
@@ -114,6 +115,10 @@ class RequestRecord:
     def resolved(self, model: str) -> None:
         self._model = model
 
+    def runs_adapter(self, adapter: str) -> None:
+        """The request runs with this served adapter (one it may use): recorded from now on."""
+        self._adapter = adapter
+
     def observe(self, event: EngineEvent) -> None:
         """Take one of the request's engine events (called by its event sink)."""
         if self._ended:
@@ -139,7 +144,9 @@ class RequestRecord:
             return
         outcome, error = _LEFT_ENDINGS[reason]
         if not reached_engine and self._owner.metrics is not None:
-            self._owner.metrics.request_refused(model=self._model, outcome=outcome, caller=self._caller)
+            self._owner.metrics.request_refused(
+                model=self._model, outcome=outcome, caller=self._caller, adapter=self._adapter
+            )
         stages = Stages(
             total=self._owner.clock() - self._received, queued=self._queued, first_token=self._first_token
         )
@@ -160,7 +167,9 @@ class RequestRecord:
             return
         outcome = Outcome.of_refusal(error)
         if self._owner.metrics is not None:
-            self._owner.metrics.request_refused(model=self._model, outcome=outcome, caller=self._caller)
+            self._owner.metrics.request_refused(
+                model=self._model, outcome=outcome, caller=self._caller, adapter=self._adapter
+            )
         self._emit(self._summary(outcome, Stages(total=self._owner.clock() - self._received), error))
 
     def served(self) -> None:
@@ -219,6 +228,7 @@ class RequestRecord:
             error_reason=None if error is None else error.reason,
             error_message=None if error is None else error.message,
             caller=self._caller,
+            adapter=self._adapter,
             finish_reason=finish_reason,
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,

@@ -64,3 +64,6 @@ class RequestSummary:
     error_message: str | None = None
     caller: str = "anonymous"
     """Who sent the request, as the token file names them (never the token)."""
+    adapter: str = ""
+    """The LoRA adapter the request ran with, once admission found it served and allowed; empty:
+    the base model (or a request refused before then)."""

@@ -111,6 +111,8 @@ def _attributes(summary: RequestSummary) -> dict[str, AttributeValue]:
         "tokenwire.outcome": summary.outcome.value,
         "tokenwire.caller": summary.caller,
     }
+    if summary.adapter:
+        attributes["tokenwire.adapter"] = summary.adapter
     if summary.request_id:
         attributes["tokenwire.request_id"] = summary.request_id
         attributes["gen_ai.response.id"] = summary.request_id
