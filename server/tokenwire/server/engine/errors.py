@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from enum import Enum
 
 
@@ -41,29 +41,23 @@ class FieldViolation:
     """The problem is that the field is set at all (one input too many), not its value."""
 
 
+@dataclass(eq=False)  # compared by identity, as exceptions are
 class GenerationError(Exception):
     """Why a request could not be served, in terms a client can act on."""
 
-    def __init__(
-        self,
-        kind: ErrorKind,
-        message: str,
-        *,
-        violations: tuple[FieldViolation, ...] = (),
-        retry_after: float | None = None,
-        reason: str | None = None,
-        omitted_violations: int = 0,
-    ) -> None:
-        super().__init__(message)
-        self.kind = kind
-        self.message = message
-        self.violations = violations
-        self.omitted_violations = omitted_violations
-        """Violations found beyond those listed, which the message only counts."""
-        self.retry_after = retry_after
-        """Seconds after which retrying is likely to succeed (RESOURCE_EXHAUSTED)."""
-        self.reason = reason
-        """A stable machine-readable reason, e.g. "QUEUE_FULL"."""
+    kind: ErrorKind
+    message: str
+    _: KW_ONLY
+    violations: tuple[FieldViolation, ...] = ()
+    retry_after: float | None = None
+    """Seconds after which retrying is likely to succeed (RESOURCE_EXHAUSTED)."""
+    reason: str | None = None
+    """A stable machine-readable reason, e.g. "QUEUE_FULL"."""
+    omitted_violations: int = 0
+    """Violations found beyond those listed, which the message only counts."""
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
     @classmethod
     def invalid(cls, *violations: FieldViolation, omitted: int = 0) -> GenerationError:
