@@ -15,6 +15,7 @@ import numpy as np
 
 from tests.support.fake_runner import FollowingRunner, ManualClock, PrefillCall, RowCopyingRunner
 from tokenwire.server.engine.core import CoreHooks, EngineCore
+from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.kv_reuse import KvReuse
 from tokenwire.server.engine.observer import NullObserver
 from tokenwire.server.engine.plan import (
@@ -33,6 +34,7 @@ from tokenwire.server.engine.types import (
     Completed,
     EngineEvent,
     EventSink,
+    Failed,
     FinishReason,
     GenerationRequest,
     Started,
@@ -237,6 +239,42 @@ def test_an_ending_in_the_plan_emits_the_terminal_event_and_hands_the_record_bac
     assert final.result.finish_reason is FinishReason.CANCELLED and final.result.token_ids == (A, A)
     assert bench.dropped == [1] and [f.key for f in outcome.finished] == [1]
     assert runner.released == [1] and runner.decodes == [(1,)], "nothing ran for it this round"
+
+
+def test_a_request_ended_before_it_started_reports_an_empty_result_timed_from_receipt() -> None:
+    runner = fixed_runner()
+    bench = Bench(runner)
+    request = bench.request(1, [B] * 4)
+
+    bench.core.execute(
+        RoundPlan(now=NOW + 2.5, endings=(Ending(1, FinishReason.CANCELLED),), requests={1: request})
+    )
+
+    [final] = bench.events[1]
+    assert isinstance(final, Completed)
+    result = final.result
+    assert result.finish_reason is FinishReason.CANCELLED and result.request_id == "r1"
+    assert result.text == "" and result.token_ids == () and result.prompt_tokens == 4
+    assert result.timing.queued == 2.5 and result.timing.total == 2.5
+    assert result.timing.time_to_first_token is None
+    assert bench.dropped == [1] and runner.released == [], "it never held a slot"
+
+
+def test_a_failed_ending_reports_the_tokens_the_request_had_produced() -> None:
+    runner = fixed_runner()
+    bench = Bench(runner)
+    request = bench.request(1, [B] * 4)
+    bench.core.execute(bench.admit(request))
+    decoding(request, 4)
+    error = GenerationError(ErrorKind.DEADLINE_EXCEEDED, "past its deadline")
+
+    bench.core.execute(RoundPlan(now=NOW + 1.0, endings=(Ending(1, error),), requests={1: request}))
+
+    final = bench.events[1][-1]
+    assert isinstance(final, Failed) and final.error is error
+    assert final.completion_tokens == len(bench.tokens(1)) == 2 and final.prompt_tokens == 4
+    assert final.timing.total == 1.0 and final.timing.time_to_first_token == 0.0
+    assert bench.dropped == [1] and runner.released == [1]
 
 
 def test_a_row_verifies_at_most_the_drafts_the_plan_allows_and_none_without_them() -> None:

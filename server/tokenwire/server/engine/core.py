@@ -30,7 +30,7 @@ from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.format_cache import invalid_format
 from tokenwire.server.engine.kv_reuse import KvReuse
 from tokenwire.server.engine.observer import EngineObserver
-from tokenwire.server.engine.output import RequestOutput, timing_report
+from tokenwire.server.engine.output import RequestOutput, terminal_event
 from tokenwire.server.engine.plan import (
     Abort,
     Admission,
@@ -46,14 +46,10 @@ from tokenwire.server.engine.request import Request, RequestStatus
 from tokenwire.server.engine.speculation import OFF, SpeculationSettings
 from tokenwire.server.engine.stats import EngineStats
 from tokenwire.server.engine.types import (
-    Completed,
     EngineEvent,
     EventSink,
-    Failed,
     FinishReason,
-    GenerationResult,
     Started,
-    TerminalEvent,
     TokenLogprobs,
     TokensGenerated,
 )
@@ -407,7 +403,6 @@ class EngineCore:
         output = request.output
         if abort is not None:
             self._count_abort(abort, started=output is not None)
-        prompt_tokens = request.prompt_length
         service: float | None = None
         if output is not None:
             if end is FinishReason.CANCELLED:
@@ -418,45 +413,17 @@ class EngineCore:
                     self._emit(request.sink, TokensGenerated((), remainder))
             self._runner.release(request.key)
             service = now - output.started_at
-            timing = output.timing(now)
-            completion_tokens = len(output.output_ids)
-        else:
-            timing = timing_report(
-                received=request.submitted.received_at,
-                started=None,
-                first_token=None,
-                last_token=None,
-                finished=now,
-                tokens=0,
-            )
-            completion_tokens = 0
         self._kv.release(request)
-        event: TerminalEvent
-        if isinstance(end, FinishReason):
-            if output is not None:
-                result = output.result(end, now)
-            else:
-                result = GenerationResult(
-                    request_id=request.submitted.request_id,
-                    model=request.submitted.model,
-                    text="",
-                    token_ids=(),
-                    finish_reason=end,
-                    prompt_tokens=prompt_tokens,
-                    timing=timing,
-                )
-            event = Completed(result)
-        else:
-            event = Failed(end, timing, completion_tokens=completion_tokens, prompt_tokens=prompt_tokens)
+        event = terminal_event(request.submitted, output, end, now)
         self._emit(request.sink, event)
         self._stats.finished += 1
         self._observer.request_finished(
             model=self._model,
             outcome=event.outcome,
             finish_reason=end if isinstance(end, FinishReason) else None,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion_tokens,
-            timing=timing,
+            prompt_tokens=request.prompt_length,
+            completion_tokens=0 if output is None else len(output.output_ids),
+            timing=event.timing,
             caller=request.caller.name,
             adapter=request.adapter,
         )

@@ -1,4 +1,5 @@
-"""What one request has produced: its tokens, text, stop conditions, log-probabilities and times.
+"""What one request has produced: its tokens, text, stop conditions, log-probabilities and times,
+and the terminal event that reports them when it ends.
 
 The engine core keeps one per request in a slot and updates it with every sampled token: the
 sampler (with its seeded generator and penalties' history), the incremental detokenizer and the
@@ -11,10 +12,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenwire.server.engine.errors import GenerationError
 from tokenwire.server.engine.types import (
+    Completed,
+    Failed,
     FinishReason,
     GenerationRequest,
     GenerationResult,
+    TerminalEvent,
     TimingReport,
     TokenLogprobs,
     TokensGenerated,
@@ -139,6 +144,45 @@ class RequestOutput:
             tokens=len(self.output_ids),
             prefill_busy=self.prefill_seconds,
         )
+
+
+def terminal_event(
+    request: GenerationRequest,
+    output: RequestOutput | None,
+    end: FinishReason | GenerationError,
+    now: float,
+) -> TerminalEvent:
+    """The last event of a request that ended at `now`: its result or its failure, with its timing
+    and token counts. `output` is None for a request that ended before it started (in the queue)."""
+    prompt_tokens = len(request.prompt_ids)
+    if output is not None:
+        timing = output.timing(now)
+        completion_tokens = len(output.output_ids)
+    else:
+        timing = timing_report(
+            received=request.received_at,
+            started=None,
+            first_token=None,
+            last_token=None,
+            finished=now,
+            tokens=0,
+        )
+        completion_tokens = 0
+    if isinstance(end, GenerationError):
+        return Failed(end, timing, completion_tokens=completion_tokens, prompt_tokens=prompt_tokens)
+    if output is not None:
+        return Completed(output.result(end, now))
+    return Completed(
+        GenerationResult(
+            request_id=request.request_id,
+            model=request.model,
+            text="",
+            token_ids=(),
+            finish_reason=end,
+            prompt_tokens=prompt_tokens,
+            timing=timing,
+        )
+    )
 
 
 def timing_report(
