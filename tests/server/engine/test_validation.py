@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
 import pytest
+from tokenizers import Tokenizer as HfTokenizer
 
 from tokenwire.server.api.chat import ChatPrompts
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
@@ -13,6 +15,7 @@ from tokenwire.server.engine.validation import RequestLimits, RequestSpec, Reque
 from tokenwire.server.models.runner import ModelInfo
 from tokenwire.server.text.chat import ChatTemplate, ChatTurn
 from tokenwire.server.text.tokenizer import Tokenizer
+from tokenwire.server.text.tools import ToolCallFormat, ToolChoice, ToolChoiceMode, ToolDefinition
 
 INFO = ModelInfo(
     name="tiny",
@@ -169,3 +172,28 @@ def test_n_outside_1_to_16_names_n(validator: RequestValidator, n: int) -> None:
     assert [(v.field, v.description) for v in refused.value.violations] == [
         ("n", f"must be between 1 and 16, got {n}")
     ]
+
+
+@pytest.mark.parametrize("tool_format", [ToolCallFormat.MISTRAL, ToolCallFormat.JSON])
+def test_a_forced_tool_call_opens_with_the_marker_token_only_in_the_mistral_format(
+    tiny_model_dir: Path, tool_format: ToolCallFormat
+) -> None:
+    backend = HfTokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    backend.add_special_tokens(["[TOOL_CALLS]"])
+    tokenizer = Tokenizer(backend)
+    marker = tokenizer.token_to_id("[TOOL_CALLS]")
+    assert marker is not None
+    template = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
+    info = dataclasses.replace(INFO, context_length=1024)  # room for the tools the prompt renders
+    chat = ChatPrompts(template, tokenizer, control_tokens_in_content=False, context_length=1024)
+    validator = RequestValidator(info, tokenizer, chat, RequestLimits(), tool_format)
+    spec = RequestSpec(
+        messages=(ChatTurn("user", "weather?"),),
+        tools=(ToolDefinition("get_weather"),),
+        tool_choice=ToolChoice(ToolChoiceMode.REQUIRED),
+    )
+
+    request = validator.validate(spec, received_at=0.0)
+
+    assert request.response_format is not None and request.response_format.field == "tools"
+    assert (f"<[{marker}]>" in request.response_format.source) is (tool_format is ToolCallFormat.MISTRAL)

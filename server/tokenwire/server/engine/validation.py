@@ -7,6 +7,7 @@ paths of its own messages.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import secrets
@@ -188,30 +189,27 @@ ChatPromptIds = Callable[[Sequence[ChatTurn], Sequence[ToolDefinition]], list[in
 conversation cannot be made."""
 
 
+@dataclass(frozen=True, eq=False)
 class RequestValidator:
     """Validates requests for one model."""
 
-    def __init__(
-        self,
-        info: ModelInfo,
-        tokenizer: Tokenizer,
-        chat: ChatPromptIds | None,
-        limits: RequestLimits,
-        tool_format: ToolCallFormat = ToolCallFormat.JSON,
-        adapters: AbstractSet[str] = frozenset(),
-    ) -> None:
-        """chat: the model's conversations to prompt tokens; None: it has no chat template.
-        tool_format: how the model writes tool calls (its chat template's format).
-        adapters: the LoRA adapters served on the model (a live set: loads and unloads change it)."""
-        self._info = info
-        self._adapters = adapters
-        self._tokenizer = tokenizer
-        self._chat = chat
-        self._limits = limits
-        self._tool_format = tool_format
-        self._mistral_marker = (
-            tokenizer.token_to_id("[TOOL_CALLS]") if tool_format is ToolCallFormat.MISTRAL else None
-        )
+    info: ModelInfo
+    tokenizer: Tokenizer
+    chat: ChatPromptIds | None
+    """The model's conversations to prompt tokens; None: it has no chat template."""
+    limits: RequestLimits
+    tool_format: ToolCallFormat = ToolCallFormat.JSON
+    """How the model writes tool calls (its chat template's format)."""
+    adapters: AbstractSet[str] = frozenset()
+    """The LoRA adapters served on the model (a live set: loads and unloads change it)."""
+
+    @functools.cached_property
+    def _mistral_marker(self) -> int | None:
+        """The [TOOL_CALLS] token a Mistral-format model opens its tool calls with; None for other
+        formats."""
+        if self.tool_format is not ToolCallFormat.MISTRAL:
+            return None
+        return self.tokenizer.token_to_id("[TOOL_CALLS]")
 
     def check_adapter(self, spec: RequestSpec, caller: Caller) -> None:
         """Refuse an adapter this model does not serve (NOT_FOUND) or the caller was not given
@@ -219,11 +217,11 @@ class RequestValidator:
         name = spec.adapter
         if not name:
             return
-        if name not in self._adapters:
-            served = ", ".join(sorted(self._adapters)) or "none"
+        if name not in self.adapters:
+            served = ", ".join(sorted(self.adapters)) or "none"
             raise GenerationError(
                 ErrorKind.NOT_FOUND,
-                f"adapter {excerpt(name)!r} is not served on model {self._info.name} (served: {served})",
+                f"adapter {excerpt(name)!r} is not served on model {self.info.name} (served: {served})",
                 violations=(FieldViolation("adapter", "no adapter of that name is served on this model"),),
                 reason="ADAPTER_NOT_FOUND",
             )
@@ -235,10 +233,6 @@ class RequestValidator:
                 reason="ADAPTER_NOT_ALLOWED",
             )
 
-    @property
-    def limits(self) -> RequestLimits:
-        return self._limits
-
     def tool_calling(self, spec: RequestSpec) -> ToolCalling | None:
         """How the output of a valid `spec` is read for tool calls; None: it offers none (or
         chose none), and its output is all text."""
@@ -246,7 +240,7 @@ class RequestValidator:
         if not spec.tools or choice.mode is ToolChoiceMode.NONE:
             return None
         parallel = True if spec.parallel_tool_calls is None else spec.parallel_tool_calls
-        return ToolCalling(self._tool_format, spec.tools, choice, parallel)
+        return ToolCalling(self.tool_format, spec.tools, choice, parallel)
 
     def validate(
         self,
@@ -283,7 +277,7 @@ class RequestValidator:
             own = received_at + spec.timeout
             deadline = own if deadline is None else min(deadline, own)
         sampling = SamplingParams(
-            temperature=self._info.default_temperature if spec.temperature is None else spec.temperature,
+            temperature=self.info.default_temperature if spec.temperature is None else spec.temperature,
             top_k=spec.top_k,
             top_p=1.0 if spec.top_p is None else spec.top_p,
             min_p=spec.min_p,
@@ -295,7 +289,7 @@ class RequestValidator:
         )
         return GenerationRequest(
             request_id=spec.request_id,
-            model=self._info.name,
+            model=self.info.name,
             prompt_ids=tuple(prompt_ids),
             sampling=sampling,
             stopping=StopConditions(max_new_tokens, tuple(spec.stop), spec.ignore_eos),
@@ -315,7 +309,7 @@ class RequestValidator:
         response_format = spec.response_format
         if response_format is None:
             return []
-        limits = self._limits
+        limits = self.limits
         field = f"response_format.{response_format.kind.value}"
         found: list[FieldViolation] = []
         if spec.ignore_eos:
@@ -356,7 +350,7 @@ class RequestValidator:
 
     def _check_tools(self, spec: RequestSpec) -> list[FieldViolation]:
         # A tool's schema is bounded as a response format's is: it becomes one when a call is forced.
-        bound = self._limits.max_format_chars
+        bound = self.limits.max_format_chars
         too_many = count_violation("tools", len(spec.tools), MAX_TOOLS, "tools")
         if too_many is not None:
             return [too_many]
@@ -399,7 +393,7 @@ class RequestValidator:
             )
         if spec.tools and not spec.messages:
             found.append(FieldViolation("tools", "need messages: the model's chat template renders them"))
-        for index, turn in enumerate(spec.messages[: self._limits.max_messages]):
+        for index, turn in enumerate(spec.messages[: self.limits.max_messages]):
             if turn.tool_calls and turn.role != "assistant":
                 found.append(
                     FieldViolation(f"messages[{index}].tool_calls", "only an assistant message makes calls")
@@ -418,11 +412,11 @@ class RequestValidator:
 
     def _check_logit_bias(self, spec: RequestSpec) -> list[FieldViolation]:
         entries = spec.logit_bias
-        bound = self._limits.max_logit_bias_entries
+        bound = self.limits.max_logit_bias_entries
         too_many = count_violation("logit_bias", len(entries), bound, "entries")
         if too_many is not None:
             return [too_many]
-        vocab = self._info.vocab_size
+        vocab = self.info.vocab_size
         found: list[FieldViolation] = []
         listed: set[int] = set()
         for token_id, bias in sorted(entries, key=lambda entry: entry[0]):
@@ -447,7 +441,7 @@ class RequestValidator:
                     "request_id", "required for a request on a stream: choose an id unique in the stream"
                 )
             ]
-        found = identifier_violation("request_id", request_id, self._limits.max_request_id_length)
+        found = identifier_violation("request_id", request_id, self.limits.max_request_id_length)
         return [] if found is None else [found]
 
     def _check_input(self, spec: RequestSpec) -> list[FieldViolation]:
@@ -467,8 +461,8 @@ class RequestValidator:
                 FieldViolation(name, f"only one input may be set, got {' and '.join(given)}", presence=True)
                 for name in given[1:]
             ]
-        limits = self._limits
-        context = self._info.context_length
+        limits = self.limits
+        context = self.info.context_length
         found: list[FieldViolation] = []
         if spec.prompt is not None:
             if not spec.prompt:
@@ -476,11 +470,11 @@ class RequestValidator:
             else:
                 found += _present(prompt_length_violation("prompt", len(spec.prompt), limits, context))
         elif spec.messages:
-            if self._chat is None:
+            if self.chat is None:
                 found.append(
                     FieldViolation(
                         "messages",
-                        f"model {self._info.name!r} has no chat template; send prompt or token_ids",
+                        f"model {self.info.name!r} has no chat template; send prompt or token_ids",
                     )
                 )
             found += _present(
@@ -499,7 +493,7 @@ class RequestValidator:
                 # Checked before the ids are looked at: the count alone says they cannot fit.
                 found.append(context_violation("token_ids", len(spec.token_ids), context))
                 return found
-            vocab = self._info.vocab_size
+            vocab = self.info.vocab_size
             bad = next((i for i, t in enumerate(spec.token_ids) if not 0 <= t < vocab), None)
             if bad is not None:
                 found.append(
@@ -510,7 +504,7 @@ class RequestValidator:
         return found
 
     def _check_stopping(self, spec: RequestSpec) -> list[FieldViolation]:
-        limits = self._limits
+        limits = self.limits
         found: list[FieldViolation] = []
         if spec.max_new_tokens is not None and not 1 <= spec.max_new_tokens <= limits.max_new_tokens_cap:
             found.append(
@@ -538,19 +532,19 @@ class RequestValidator:
         if spec.token_ids is not None:
             return list(spec.token_ids)
         if spec.messages:
-            assert self._chat is not None
-            return self._chat(spec.messages, tools)
+            assert self.chat is not None
+            return self.chat(spec.messages, tools)
         assert spec.prompt is not None
-        room = self._info.context_length - 1
+        room = self.info.context_length - 1
         try:
-            return self._tokenizer.encode_within(spec.prompt, room)
+            return self.tokenizer.encode_within(spec.prompt, room)
         except TooManyTokensError as error:
             raise GenerationError.invalid(
-                context_violation("prompt", error.at_least, self._info.context_length, at_least=True)
+                context_violation("prompt", error.at_least, self.info.context_length, at_least=True)
             ) from None
 
     def _max_new_tokens(self, spec: RequestSpec, prompt_tokens: int) -> int:
-        context = self._info.context_length
+        context = self.info.context_length
         field = "prompt" if spec.prompt is not None else "messages" if spec.messages else "token_ids"
         if prompt_tokens == 0:
             raise GenerationError.invalid(FieldViolation(field, "tokenizes to nothing"))
@@ -558,7 +552,7 @@ class RequestValidator:
         if room < 1:
             raise GenerationError.invalid(context_violation(field, prompt_tokens, context))
         if spec.max_new_tokens is None:
-            return min(self._limits.default_max_new_tokens, room)
+            return min(self.limits.default_max_new_tokens, room)
         if spec.max_new_tokens > room:
             raise GenerationError.invalid(
                 FieldViolation(
