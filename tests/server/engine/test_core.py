@@ -25,6 +25,7 @@ from tokenwire.server.engine.plan import (
     Entry,
     Preemption,
     PromptChunk,
+    RoundOutcome,
     RoundPlan,
 )
 from tokenwire.server.engine.request import CompletionSet, Request, RequestStatus
@@ -224,16 +225,21 @@ def test_a_prefix_that_cannot_be_copied_in_leaves_its_request_out_of_the_round()
     assert again.kv.prefix_tokens == 0 and again.kv.caching_stopped, "it prefills from the start next"
 
 
-def test_an_ending_in_the_plan_emits_the_terminal_event_and_hands_the_record_back() -> None:
+def _ended_after_its_first_step(
+    end: FinishReason | GenerationError, *, now: float = NOW
+) -> tuple[RowCopyingRunner, Bench, RoundOutcome]:
+    """Runs request 1's prompt and first decode step, then a plan at `now` that ends it with `end`."""
     runner = fixed_runner()
     bench = Bench(runner)
     request = bench.request(1, [B] * 4)
     bench.core.execute(bench.admit(request))
     decoding(request, 4)
+    outcome = bench.core.execute(RoundPlan(now=now, endings=(Ending(1, end),), requests={1: request}))
+    return runner, bench, outcome
 
-    outcome = bench.core.execute(
-        RoundPlan(now=NOW, endings=(Ending(1, FinishReason.CANCELLED),), requests={1: request})
-    )
+
+def test_an_ending_in_the_plan_emits_the_terminal_event_and_hands_the_record_back() -> None:
+    runner, bench, outcome = _ended_after_its_first_step(FinishReason.CANCELLED)
 
     [final] = [e for e in bench.events[1] if isinstance(e, Completed)]
     assert final.result.finish_reason is FinishReason.CANCELLED and final.result.token_ids == (A, A)
@@ -261,14 +267,9 @@ def test_a_request_ended_before_it_started_reports_an_empty_result_timed_from_re
 
 
 def test_a_failed_ending_reports_the_tokens_the_request_had_produced() -> None:
-    runner = fixed_runner()
-    bench = Bench(runner)
-    request = bench.request(1, [B] * 4)
-    bench.core.execute(bench.admit(request))
-    decoding(request, 4)
     error = GenerationError(ErrorKind.DEADLINE_EXCEEDED, "past its deadline")
 
-    bench.core.execute(RoundPlan(now=NOW + 1.0, endings=(Ending(1, error),), requests={1: request}))
+    runner, bench, _ = _ended_after_its_first_step(error, now=NOW + 1.0)
 
     final = bench.events[1][-1]
     assert isinstance(final, Failed) and final.error is error
