@@ -2,7 +2,7 @@
 
 Declared next to their owner (models/kv_store.py) but in a module of their own that imports no
 ONNX Runtime or NumPy, so the settings parse where ONNX Runtime is missing or broken; the
-server's settings (config.py) hold them as a group.
+server's settings (config.py) hold them as a group, which names their help group.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from tokenwire.server.settings_schema import ENGINE, setting
+from tokenwire.server.settings_schema import setting
 
 KvCacheLocation = Literal["host", "device"]
 
@@ -27,13 +27,11 @@ class KvCacheSettings:
         "where the genai layout keeps its KV cache: device = ONNX Runtime memory on the model's device "
         "(the CPU provider's with --device cpu), every row move (prefix-cache hits, swaps, forks, "
         "compaction) done by ONNX Runtime there; host = NumPy memory moved by NumPy, --device cpu only",
-        group=ENGINE,
     )
     mb: int = setting(
         0,
         "most memory the KV cache may take, in MiB: --max-batch-size slots of --max-context-length "
         "positions must fit, or the server refuses to start and says what would (0: no bound)",
-        group=ENGINE,
         minimum=0,
     )
 
