@@ -242,6 +242,7 @@ class ServerProcess:
     host: str = LOOPBACK
     model_name: str | None = None
     """Serve the model under this name instead of its directory's."""
+    device: str = "cpu"
     code: Path | None = None
     """A checkout of another tokenwire version to serve instead of this one (its server/ and
     client/ go first on PYTHONPATH): the "before" side of a before/after benchmark."""
@@ -262,7 +263,7 @@ class ServerProcess:
             "--port",
             "0",
             "--device",
-            "cpu",
+            self.device,
             "--max-batch-size",
             str(self.max_batch_size),
             "--max-queue-size",
