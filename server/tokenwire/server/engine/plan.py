@@ -63,6 +63,14 @@ class Preemption:
     prompt mid-prefill, which has no token to decode). The beneficiary then does nothing."""
 
 
+@dataclass(frozen=True)
+class Admission:
+    """A request the scheduler gives a slot this round, and how it enters it."""
+
+    key: int
+    entry: Entry
+
+
 class Entry(Enum):
     """How an admitted request enters its slot."""
 
@@ -73,12 +81,6 @@ class Entry(Enum):
     FORKED = "forked"
     """A completion of a group: it copies the prompt its group kept and samples its first token
     from the logits kept with it."""
-
-
-@dataclass(frozen=True)
-class Admission:
-    key: int
-    entry: Entry
 
 
 @dataclass(frozen=True)

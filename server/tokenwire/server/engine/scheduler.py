@@ -112,9 +112,15 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class Occupancy:
+    """What the engine holds after a round, for the occupancy gauges and the gateway's load."""
+
     queued: int
+    """Requests waiting for a slot, those swapped out among them (they wait in the same queue,
+    to resume where they were)."""
     running: int
     kv_positions_used: int
+    """KV positions the running requests have computed, of the slots' positions: the share of
+    the cache in use, not the share allocated."""
 
 
 class Scheduler:

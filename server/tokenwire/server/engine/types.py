@@ -145,14 +145,20 @@ class GenerationRequest:
     """A validated request, ready for the queue. Times are monotonic seconds."""
 
     request_id: str
+    """The caller's id for it, or one the server made: cancellation, the access log, spans and
+    errors name the request by it."""
     model: str
     prompt_ids: tuple[int, ...]
+    """After tokenization or the chat template: what the model is given."""
     sampling: SamplingParams
     stopping: StopConditions
     received_at: float
+    """When the service received the request (before validation): every duration of its
+    TimingReport is measured from here."""
     logprobs: bool = False
     top_logprobs: int = 0
     deadline: float | None = None
+    """When it ends with DEADLINE_EXCEEDED, queued or running; None: it has none."""
     response_format: ResponseFormat | None = None
     """What the output must match; None for free text."""
     caller: Caller = ANONYMOUS
@@ -191,11 +197,19 @@ class TimingReport:
     """
 
     queued: float
+    """From receipt to a slot (to the end, for a request that never got one)."""
     total: float
+    """From receipt to the request's end, however it ended."""
     time_to_first_token: float | None = None
+    """From receipt to the first token: queued + paced + prefill. Slow here with a normal token
+    rate is queueing or prompt work, not slow decoding."""
     prefill: float | None = None
+    """The prompt's own work (its chunks, or copying a cached prefix or a forked prompt)."""
     decode_tokens_per_second: float = 0.0
+    """Tokens after the first over the time after the first: the decode rate alone, whatever
+    the wait before it (0 with fewer than two tokens)."""
     time_per_output_token: float | None = None
+    """The same rate's inverse: seconds between tokens after the first."""
     paced: float | None = None
     """Between the start of work and the first token, the time the prompt waited while other
     requests ran (their decode steps, other prompts): time_to_first_token = queued + paced + prefill."""
@@ -243,7 +257,10 @@ class GenerationResult:
 
 @dataclass(frozen=True)
 class Started:
+    """The request took a slot: its wait in the queue is over and its prompt's work begins."""
+
     queued_seconds: float
+    """From receipt to the slot: the queueing part of the time to first token."""
     prompt_tokens: int
 
 
