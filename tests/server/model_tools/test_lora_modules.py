@@ -1,0 +1,98 @@
+"""Which projections a graph converted for LoRA adapters gets sites on.
+
+Names are PEFT's (`q_proj`, or `self_attn.q_proj`), checked against the model's family; the
+synthetic GGUF converted with some of them has sites there only (and on the rest of a fused
+group).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnxruntime as ort
+import pytest
+
+from tests.server.model_tools.synthetic_gguf import SyntheticGguf
+from tokenwire.server.model_tools.convert import convert_gguf
+from tokenwire.server.model_tools.convert.lora_graph import (
+    PROJECTIONS,
+    LoraOptions,
+    lora_options_for,
+    module_names,
+)
+from tokenwire.server.models.adapters import LoraLayout
+
+Q_V = ("self_attn.q_proj", "self_attn.v_proj")
+LLAMA_NAMES = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
+
+
+def _sites(model_dir: Path) -> set[tuple[int, str]]:
+    session = ort.InferenceSession(str(model_dir / "model.onnx"), providers=["CPUExecutionProvider"])
+    layout = LoraLayout.from_session(session)
+    assert layout is not None, f"{model_dir} has no LoRA sites"
+    return set(layout.sites)
+
+
+def test_short_names_and_paths_below_a_layer_choose_the_same_modules() -> None:
+    assert lora_options_for("llama", ["q_proj", "v_proj"]) == LoraOptions(Q_V)
+    assert lora_options_for("llama", ["self_attn.v_proj", "q_proj", "v_proj"]) == LoraOptions(Q_V)
+    assert lora_options_for("qwen3", ["down_proj"]) == LoraOptions(("mlp.down_proj",))
+    # Naming every projection is the all-projection graph itself (and its cache).
+    assert lora_options_for("llama", [p.rpartition(".")[2] for p in PROJECTIONS]) == LoraOptions()
+    assert lora_options_for("llama", None) == LoraOptions()
+
+
+def test_phi3_s_fused_checkpoint_names_stand_for_their_parts() -> None:
+    assert lora_options_for("phi3", ["qkv_proj", "mlp.gate_up_proj"]) == LoraOptions(
+        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+    )
+    assert "qkv_proj" not in module_names("llama")
+    assert "gate_up_proj" in module_names("phi3")
+
+
+@pytest.mark.parametrize(
+    ("architecture", "name", "valid"),
+    [
+        ("llama", "qkv_proj", LLAMA_NAMES),
+        ("qwen2", "self_attn.c_attn", LLAMA_NAMES),
+        (
+            "phi3",
+            "attn_q",
+            "qkv_proj, q_proj, k_proj, v_proj, o_proj, gate_up_proj, gate_proj, up_proj, down_proj",
+        ),
+    ],
+)
+def test_an_unknown_module_name_is_refused_with_the_family_s_names(
+    architecture: str, name: str, valid: str
+) -> None:
+    with pytest.raises(ValueError, match="is not a projection") as refused:
+        lora_options_for(architecture, ["q_proj", name])
+    assert str(refused.value) == (
+        f"{name!r} is not a projection of {architecture} models: name some of {valid} "
+        "(or their paths below a layer, such as self_attn.q_proj)"
+    )
+    with pytest.raises(ValueError, match="names no module"):
+        lora_options_for(architecture, [])
+
+
+def test_a_gguf_converted_for_some_modules_has_sites_only_there(
+    tmp_path: Path, mixed_gguf: SyntheticGguf
+) -> None:
+    model = convert_gguf(
+        mixed_gguf.path, tmp_path / "qv", lora=lora_options_for("llama", ["q_proj", "v_proj"])
+    )
+    # Layer 0 mixes formats, so Q, K and V are separate MatMuls and only Q and V get sites; layer
+    # 1 fuses them into one MatMul, whose group takes K's site along (it carries no adapter's delta).
+    assert _sites(model) == {
+        (0, "self_attn.q_proj"),
+        (0, "self_attn.v_proj"),
+        (1, "self_attn.q_proj"),
+        (1, "self_attn.k_proj"),
+        (1, "self_attn.v_proj"),
+    }
+    assert json.loads((model / "conversion.json").read_text())["lora_modules"] == list(Q_V)
+    only_down = convert_gguf(
+        mixed_gguf.path, tmp_path / "down", lora=lora_options_for("llama", ["down_proj"])
+    )
+    assert _sites(only_down) == {(0, "mlp.down_proj"), (1, "mlp.down_proj")}
