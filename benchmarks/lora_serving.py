@@ -9,7 +9,7 @@
 
 Adapters are PEFT directories of random rank-R factors on every projection, written into a
 temporary directory (no download). The LoRA graph is the default GGUF converted with sites
-(`pull_model(lora=True)`, cached beside the plain one).
+(`pull_model(lora=LoraOptions())`, cached beside the plain one).
 
     python benchmarks/lora_serving.py [--rank 16] [--repetitions 3] [--new-tokens 64]
 """
@@ -34,6 +34,7 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(benchkit.REPO))
 
+from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 from tokenwire.server.model_tools.pull import DEFAULT_MODEL, pull_model
 from tokenwire.server.models.adapters import LoraLayout
 from tokenwire.server.models.session import SessionSettings, create_session
@@ -133,7 +134,7 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=64)
     args = parser.parse_args()
     plain_dir = pull_model(DEFAULT_MODEL)
-    lora_dir = pull_model(DEFAULT_MODEL, lora=True)
+    lora_dir = pull_model(DEFAULT_MODEL, lora=LoraOptions())
     prompts = [benchkit.prompt_ids(plain_dir, 64, offset=i * 7) for i in range(STREAMS)]
     with tempfile.TemporaryDirectory() as work:
         adapter_dirs = write_adapters(lora_dir, Path(work), args.rank, ADAPTERS + 1)

@@ -84,9 +84,10 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"tokenwire serve: {refused}", file=sys.stderr)
         return 2
     if not settings.models:
+        from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
         from tokenwire.server.model_tools.pull import pull_model
 
-        pulled = pull_model(DEFAULT_MODEL, dtype=dtype, lora=bool(settings.loras))
+        pulled = pull_model(DEFAULT_MODEL, dtype=dtype, lora=LoraOptions() if settings.loras else None)
         default = ModelSource(pulled, DEFAULT_MODEL)
         settings = replace(settings, models=(default,))
     from tokenwire.server.main import run
@@ -104,6 +105,7 @@ def _servable(models: tuple[ModelSource, ...], dtype: str, *, lora: bool) -> tup
     if not any(is_gguf_file(source.path) for source in models):
         return models
     from tokenwire.server.model_tools.convert import ConversionError
+    from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
     from tokenwire.server.model_tools.pull import converted_gguf
 
     servable = []
@@ -112,7 +114,9 @@ def _servable(models: tuple[ModelSource, ...], dtype: str, *, lora: bool) -> tup
             servable.append(source)
             continue
         try:
-            directory = converted_gguf(source.path, progress=sys.stderr.isatty(), dtype=dtype, lora=lora)
+            directory = converted_gguf(
+                source.path, progress=sys.stderr.isatty(), dtype=dtype, lora=LoraOptions() if lora else None
+            )
         except (ConversionError, OSError) as error:
             raise _GgufRefusedError(f"--model: {error}") from None
         servable.append(ModelSource(directory, source.name or source.path.stem))

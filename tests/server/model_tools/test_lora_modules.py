@@ -2,12 +2,14 @@
 
 Names are PEFT's (`q_proj`, or `self_attn.q_proj`), checked against the model's family; the
 synthetic GGUF converted with some of them has sites there only (and on the rest of a fused
-group).
+group); each module set is its own cached conversion.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import onnxruntime as ort
@@ -21,6 +23,7 @@ from tokenwire.server.model_tools.convert.lora_graph import (
     lora_options_for,
     module_names,
 )
+from tokenwire.server.model_tools.pull import converted_gguf
 from tokenwire.server.models.adapters import LoraLayout
 
 Q_V = ("self_attn.q_proj", "self_attn.v_proj")
@@ -96,3 +99,20 @@ def test_a_gguf_converted_for_some_modules_has_sites_only_there(
         mixed_gguf.path, tmp_path / "down", lora=lora_options_for("llama", ["down_proj"])
     )
     assert _sites(only_down) == {(0, "mlp.down_proj"), (1, "mlp.down_proj")}
+
+
+def test_each_module_set_is_its_own_cached_conversion(tmp_path: Path, mixed_gguf: SyntheticGguf) -> None:
+    home = tmp_path / "home"
+    own = tmp_path / "mine.gguf"
+    shutil.copyfile(mixed_gguf.path, own)
+    plain = converted_gguf(own, home=home, progress=False)
+    every = converted_gguf(own, home=home, progress=False, lora=LoraOptions())
+    some = converted_gguf(own, home=home, progress=False, lora=LoraOptions(Q_V))
+    assert len({plain, every, some}) == 3
+    assert converted_gguf(own, home=home, progress=False, lora=LoraOptions(Q_V[::-1])) == some
+    assert json.loads((every / "conversion.json").read_text())["lora_modules"] == "all"
+    assert json.loads((some / "conversion.json").read_text())["lora_modules"] == list(Q_V)
+    # The all-projection key is the one it was before modules could be chosen: old caches stay.
+    found = own.resolve().stat()
+    identity = f"{own.resolve()}\0{found.st_size}\0{found.st_mtime_ns}\0float32\0lora"
+    assert every.name == f"mine-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"

@@ -53,6 +53,18 @@ class LoraOptions:
         group = tuple(modules)
         return group if any(self.wants(m) for m in group) else ()
 
+    @property
+    def label(self) -> str:
+        """The module set in a cache directory's name: `all`, or the projections' own names in
+        layer order joined by '-' (`q_proj-v_proj`). Only sets of PROJECTIONS have a label: the
+        short names are unique among them, not among arbitrary paths."""
+        if self.modules is None:
+            return "all"
+        unknown = sorted(set(self.modules) - set(PROJECTIONS))
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not one of the projections {', '.join(PROJECTIONS)}")
+        return "-".join(_short(m) for m in PROJECTIONS if m in self.modules)
+
 
 def module_names(architecture: str) -> dict[str, tuple[str, ...]]:
     """The names `--lora-modules` takes for a family, each to the graph's modules it stands for.
