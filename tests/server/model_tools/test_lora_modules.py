@@ -1,8 +1,9 @@
-"""Which projections a graph converted for LoRA adapters gets sites on.
+"""`--lora-modules`: which projections a graph converted for `--lora` gets LoRA sites on.
 
-Names are PEFT's (`q_proj`, or `self_attn.q_proj`), checked against the model's family; the
-synthetic GGUF converted with some of them has sites there only (and on the rest of a fused
-group); each module set is its own cached conversion.
+Names are PEFT's (`q_proj`, or `self_attn.q_proj`), checked against the model's family before any
+conversion; the synthetic GGUF converted with some of them has sites there only (and on the rest
+of a fused group); each module set is its own cached conversion; and through `tokenwire serve`
+an adapter on the chosen modules gives the all-projection graph's tokens.
 """
 
 from __future__ import annotations
@@ -12,10 +13,15 @@ import json
 import shutil
 from pathlib import Path
 
+import grpc
 import onnxruntime as ort
 import pytest
 
 from tests.server.model_tools.synthetic_gguf import SyntheticGguf
+from tests.server.model_tools.synthetic_gguf_lora import write_gguf_lora
+from tests.support.serve_process import ServeProcess, ended, serve_refused, start_serve
+from tokenwire.server import cli
+from tokenwire.server.config import ModelSource
 from tokenwire.server.model_tools.convert import convert_gguf
 from tokenwire.server.model_tools.convert.lora_graph import (
     PROJECTIONS,
@@ -23,8 +29,10 @@ from tokenwire.server.model_tools.convert.lora_graph import (
     lora_options_for,
     module_names,
 )
-from tokenwire.server.model_tools.pull import converted_gguf
+from tokenwire.server.model_tools.pull import HOME_ENV, converted_gguf
 from tokenwire.server.models.adapters import LoraLayout
+from tokenwire.v1 import inference_service_pb2 as pb
+from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
 Q_V = ("self_attn.q_proj", "self_attn.v_proj")
 LLAMA_NAMES = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
@@ -116,3 +124,101 @@ def test_each_module_set_is_its_own_cached_conversion(tmp_path: Path, mixed_gguf
     found = own.resolve().stat()
     identity = f"{own.resolve()}\0{found.st_size}\0{found.st_mtime_ns}\0float32\0lora"
     assert every.name == f"mine-{hashlib.sha256(identity.encode()).hexdigest()[:16]}"
+
+
+@pytest.fixture(scope="module")
+def home(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One cache for the serving tests, so each module set is converted once."""
+    return tmp_path_factory.mktemp("home")
+
+
+@pytest.fixture(scope="module")
+def adapters(tmp_path_factory: pytest.TempPathFactory, mixed_gguf: SyntheticGguf) -> dict[str, Path]:
+    """GGUF adapters of the synthetic model: on Q and V only, and on Q and the FFN's down projection."""
+    work = tmp_path_factory.mktemp("adapters")
+    files = {"qv": ("attn_q", "attn_v"), "down": ("attn_q", "ffn_down")}
+    for name, tensors in files.items():
+        write_gguf_lora(
+            work / f"{name}.gguf",
+            mixed_gguf.reference,
+            arch="llama",
+            rank=4,
+            alpha=8.0,
+            seed=5,
+            tensors=tensors,
+        )
+    return {name: work / f"{name}.gguf" for name in files}
+
+
+@pytest.fixture
+def in_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    monkeypatch.setenv(HOME_ENV, str(home))  # the served child processes inherit it
+    return home
+
+
+def _greedy(served: ServeProcess, prompt: list[int], adapter: str) -> list[int]:
+    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
+        response = pb_grpc.InferenceServiceStub(channel).Generate(
+            pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                sampling=pb.SamplingParams(temperature=0.0),
+                stopping=pb.StoppingCriteria(max_new_tokens=8, ignore_eos=True),
+                adapter=adapter,
+            ),
+            timeout=60,
+        )
+    return list(response.token_ids)
+
+
+def test_an_adapter_on_the_chosen_modules_gives_the_all_projection_graph_s_tokens(
+    in_home: Path, mixed_gguf: SyntheticGguf, adapters: dict[str, Path]
+) -> None:
+    prompts = [[5, 17, 99, 3], [200, 201, 7, 7, 31, 60]]
+    tokens: dict[str, list[list[int]]] = {}
+    for name, flags in (("qv", ("--lora-modules", "q_proj,v_proj")), ("all", ())):
+        served = start_serve(
+            "--model", str(mixed_gguf.path), "--lora", f"a={adapters['qv']}", "--no-metrics", *flags
+        )
+        try:
+            tokens[name] = [_greedy(served, prompt, "a") for prompt in prompts]
+            tokens[f"{name} base"] = [_greedy(served, prompt, "") for prompt in prompts]
+        finally:
+            ended(served.process)
+    # The extra sites of the all-projection graph carry a zero delta: the same greedy tokens.
+    assert tokens["qv"] == tokens["all"]
+    assert tokens["qv base"] == tokens["all base"]
+    assert tokens["qv"] != tokens["qv base"]  # the adapter did change what was generated
+    converted = sorted(p.name for p in (in_home / "models" / "gguf").iterdir())
+    assert len(converted) == 2, converted  # one conversion per module set
+
+
+def test_an_unknown_module_name_stops_serve_before_any_conversion(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, mixed_gguf: SyntheticGguf, adapters: dict[str, Path]
+) -> None:
+    monkeypatch.setenv(HOME_ENV, str(tmp_path / "home"))
+    finished = serve_refused(
+        mixed_gguf.path, "--lora", f"a={adapters['qv']}", "--lora-modules", "q_proj,qproj"
+    )
+    assert finished.returncode == 2
+    assert finished.stderr.splitlines() == [
+        f"tokenwire serve: --lora-modules: 'qproj' is not a projection of llama models: name some of "
+        f"{LLAMA_NAMES} (or their paths below a layer, such as self_attn.q_proj)"
+    ]
+    assert not (tmp_path / "home").exists()  # nothing was converted, nor even a cache made
+
+
+def test_lora_modules_cannot_change_a_built_model_directory(
+    tmp_path: Path, mixed_gguf: SyntheticGguf, adapters: dict[str, Path]
+) -> None:
+    every = convert_gguf(mixed_gguf.path, tmp_path / "every", lora=LoraOptions())
+    finished = serve_refused(every, "--lora", f"a={adapters['qv']}", "--lora-modules", "q_proj,v_proj")
+    assert finished.returncode == 2
+    assert finished.stderr.splitlines() == [
+        f"tokenwire serve: --lora-modules: {every} is a model directory, whose LoRA sites were chosen "
+        "when it was built (sites: every projection); --lora-modules chooses them only for a GGUF "
+        "--model or the default model: leave it out, or serve the GGUF file"
+    ]
+    # A directory converted for the very same modules is served as it is.
+    some = convert_gguf(mixed_gguf.path, tmp_path / "some", lora=LoraOptions(Q_V))
+    models = (ModelSource(some),)
+    assert cli._servable(models, "float32", lora=True, modules=("v_proj", "self_attn.q_proj")) == models
