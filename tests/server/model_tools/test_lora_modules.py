@@ -3,7 +3,8 @@
 Names are PEFT's (`q_proj`, or `self_attn.q_proj`), checked against the model's family before any
 conversion; the synthetic GGUF converted with some of them has sites there only (and on the rest
 of a fused group); each module set is its own cached conversion; and through `tokenwire serve`
-an adapter on the chosen modules gives the all-projection graph's tokens.
+an adapter on the chosen modules gives the all-projection graph's tokens, while one on a module
+left out is refused naming --lora-modules.
 """
 
 from __future__ import annotations
@@ -222,3 +223,20 @@ def test_lora_modules_cannot_change_a_built_model_directory(
     some = convert_gguf(mixed_gguf.path, tmp_path / "some", lora=LoraOptions(Q_V))
     models = (ModelSource(some),)
     assert cli._servable(models, "float32", lora=True, modules=("v_proj", "self_attn.q_proj")) == models
+
+
+def test_an_adapter_on_a_module_left_out_is_refused_naming_lora_modules(
+    in_home: Path, mixed_gguf: SyntheticGguf, adapters: dict[str, Path]
+) -> None:
+    finished = serve_refused(
+        mixed_gguf.path, "--lora", f"a={adapters['down']}", "--lora-modules", "q_proj,v_proj"
+    )
+    assert finished.returncode == 1, finished.stderr[-2000:]
+    failures = [line for line in finished.stderr.splitlines() if "failed to load" in line]
+    assert len(failures) == 1, finished.stderr[-2000:]
+    assert failures[0].endswith(
+        "adapter a: blk.0.ffn_down.weight adapts module mlp.down_proj, which this model's graph takes "
+        "no adapter for (it adapts self_attn.k_proj, self_attn.q_proj, self_attn.v_proj); the model "
+        "was converted with LoRA sites only for --lora-modules q_proj,v_proj: add down_proj to "
+        "--lora-modules to serve this adapter"
+    ), failures[0]
