@@ -1,17 +1,20 @@
 """LoRA adapters served by `tokenwire serve`, side by side in one run on the default model.
 
 1. Time per decode step with 8 greedy streams: the plain graph's server (the bar's base), the
-   server of the graph with LoRA sites on every projection with every stream on the base model,
-   and that server with the 8 streams over 4 adapters (2 each). The step time is the streams'
-   median inter-token gap after the first token; the sides alternate for --repetitions rounds.
+   server of the graph with LoRA sites (on every projection, or on --modules) with every stream
+   on the base model, and that server with the 8 streams over 4 adapters (2 each). The step
+   time is the streams' median inter-token gap after the first token; the sides alternate for
+   --repetitions rounds.
 2. Loading an adapter at run time (the admin RPC) while 4 streams decode on the base model:
    the streams' largest inter-token gap with a load in the middle against the same run without.
 
-Adapters are PEFT directories of random rank-R factors on every projection, written into a
-temporary directory (no download). The LoRA graph is the default GGUF converted with sites
-(`pull_model(lora=True)`, cached beside the plain one).
+Adapters are PEFT directories of random rank-R factors on every site of the graph, written into
+a temporary directory (no download). The LoRA graph is the default GGUF converted with sites on
+the projections --modules names, as `tokenwire serve --lora-modules` takes them (all of them
+when left out; `pull_model(lora=...)`, cached beside the plain one).
 
     python benchmarks/lora_serving.py [--rank 16] [--repetitions 3] [--new-tokens 64]
+        [--modules q_proj,v_proj]
 """
 
 from __future__ import annotations
@@ -34,7 +37,9 @@ from safetensors.numpy import save_file
 
 sys.path.insert(0, str(benchkit.REPO))
 
-from tokenwire.server.model_tools.pull import DEFAULT_MODEL, pull_model
+from tokenwire.server.config import lora_module_list
+from tokenwire.server.model_tools.convert.lora_graph import lora_options_for
+from tokenwire.server.model_tools.pull import DEFAULT_MODEL, known_model, pull_model
 from tokenwire.server.models.adapters import LoraLayout
 from tokenwire.server.models.session import SessionSettings, create_session
 from tokenwire.v1 import adapter_admin_pb2 as admin_pb
@@ -131,9 +136,19 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--repetitions", type=int, default=3)
     parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument(
+        "--modules",
+        help="comma-separated projections that get LoRA sites, as --lora-modules takes them "
+        "(q_proj,v_proj); every projection if left out",
+    )
     args = parser.parse_args()
+    names = lora_module_list(args.modules) if args.modules else None
+    try:
+        lora = lora_options_for(known_model(DEFAULT_MODEL).architecture, names)
+    except ValueError as error:
+        parser.error(f"--modules: {error}")
     plain_dir = pull_model(DEFAULT_MODEL)
-    lora_dir = pull_model(DEFAULT_MODEL, lora=True)
+    lora_dir = pull_model(DEFAULT_MODEL, lora=lora)
     prompts = [benchkit.prompt_ids(plain_dir, 64, offset=i * 7) for i in range(STREAMS)]
     with tempfile.TemporaryDirectory() as work:
         adapter_dirs = write_adapters(lora_dir, Path(work), args.rank, ADAPTERS + 1)
@@ -196,7 +211,8 @@ def main() -> None:
                 loaded = asyncio.run(streams(lora.target, four, [""] * 4, args.new_tokens, during=load))
                 load_gaps["adapter loaded mid-run"].append(max(gaps(loaded)))
     base = statistics.median(steps["plain graph, base"])
-    print(f"rank {args.rank} on every projection, {STREAMS} streams, {args.repetitions} repetitions")
+    sites = "every projection" if lora.modules is None else ", ".join(lora.modules)
+    print(f"rank {args.rank} on {sites}, {STREAMS} streams, {args.repetitions} repetitions")
     print(
         benchkit.markdown_table(
             ["server, streams", "median step (ms)", "step / plain graph"],
@@ -218,7 +234,13 @@ def main() -> None:
     print(f"LoadAdapter call: median {statistics.median(load_seconds) * 1e3:.0f} ms")
     benchkit.save_results(
         "lora_serving",
-        {"steps": steps, "load_gaps": load_gaps, "load_seconds": load_seconds, "rank": args.rank},
+        {
+            "steps": steps,
+            "load_gaps": load_gaps,
+            "load_seconds": load_seconds,
+            "rank": args.rank,
+            "modules": "all" if lora.modules is None else list(lora.modules),
+        },
     )
 
 

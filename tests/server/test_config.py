@@ -192,6 +192,41 @@ def test_the_kv_cache_settings_come_from_every_source(tmp_path: Path) -> None:
     assert (from_flags.kv_cache.location, from_flags.kv_cache.mb) == ("device", 64)
 
 
+def test_lora_modules_come_from_every_source_and_default_to_every_projection(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter.gguf"
+    adapter.write_bytes(b"")
+    lora = ("--lora", f"a={adapter}")
+    assert load(*lora).lora_module_names is None
+    assert load(*lora, "--lora-modules", "q_proj, self_attn.v_proj,").lora_module_names == (
+        "q_proj",
+        "self_attn.v_proj",
+    )
+    assert load(*lora, environ={"TOKENWIRE_LORA_MODULES": "o_proj"}).lora_module_names == ("o_proj",)
+    config = write_config(tmp_path, 'lora_modules = "gate_proj,up_proj"\n')
+    assert load(*lora, "--config", str(config)).lora_module_names == ("gate_proj", "up_proj")
+    assert load(*lora, "--lora-modules", "all").lora_module_names is None
+
+
+def test_an_empty_or_mixed_lora_modules_list_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    adapter = tmp_path / "adapter.gguf"
+    adapter.write_bytes(b"")
+    lora = ("--lora", f"a={adapter}")
+    empty = "names no module: give projections such as q_proj,v_proj, or all (every projection, the default)"
+    assert problems(*lora, "--lora-modules", " , ") == (f"--lora-modules: ',' {empty}",)
+    assert problems(*lora, environ={"TOKENWIRE_LORA_MODULES": ""}) == (f"--lora-modules: '' {empty}",)
+    assert problems(*lora, "--lora-modules", "all,q_proj") == (
+        "--lora-modules: all is every projection already: give it alone, or name projections",
+    )
+
+
+def test_lora_modules_without_lora_adapters_is_refused() -> None:
+    # Only a model converted for --lora gets sites: the flag alone would choose nothing.
+    assert problems("--lora-modules", "q_proj") == (
+        "--lora-modules: needs --lora (only a model converted for --lora adapters gets LoRA sites)",
+    )
+    assert load("--lora-modules", "all").lora_module_names is None
+
+
 def test_a_broken_config_file_is_named(tmp_path: Path) -> None:
     broken = write_config(tmp_path, "port = \n")
     assert problems("--config", str(broken))[0].startswith(f"--config: {broken} is not valid TOML")

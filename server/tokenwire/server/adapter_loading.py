@@ -24,8 +24,10 @@ from tokenwire.server.api.adapter_admin import AdapterLoaded, AdapterUnloaded
 from tokenwire.server.api.registry import ModelRegistry, ServedAdapter, ServedModel
 from tokenwire.server.config import ADAPTER_NAME, LoraSource
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
+from tokenwire.server.model_tools.convert.converter import converted_lora
+from tokenwire.server.model_tools.convert.lora_graph import PROJECTIONS
 from tokenwire.server.model_tools.lora import AdapterBase, read_adapter
-from tokenwire.server.models.adapters import AdapterError, AdapterStacks
+from tokenwire.server.models.adapters import FUSED_MODULES, AdapterError, AdapterStacks, UnsitedModuleError
 from tokenwire.server.models.loader import LoadedModel
 
 
@@ -45,7 +47,10 @@ def load_adapters(model: LoadedModel, sources: Sequence[LoraSource]) -> tuple[Se
 def _load_one(model: LoadedModel, stacks: AdapterStacks, name: str, path: Path) -> ServedAdapter:
     """Read one adapter file and write it into a free slot (raises AdapterError or OSError)."""
     base = _adapter_base(model.directory)
-    adapter = read_adapter(path, stacks.layout, base=base, max_rank=stacks.max_rank, name=name)
+    try:
+        adapter = read_adapter(path, stacks.layout, base=base, max_rank=stacks.max_rank, name=name)
+    except UnsitedModuleError as error:
+        raise AdapterError(_with_chosen_sites(error, model.directory)) from None
     stacks.load(adapter)
     return ServedAdapter(
         name=name,
@@ -54,6 +59,21 @@ def _load_one(model: LoadedModel, stacks: AdapterStacks, name: str, path: Path) 
         source="peft" if path.is_dir() else "gguf",
         memory_bytes=stacks.layout.slot_bytes(stacks.max_rank),
     )
+
+
+def _with_chosen_sites(error: UnsitedModuleError, directory: Path | None) -> str:
+    """The refusal of an adapter for a module without a site, saying so when --lora-modules left
+    the site out (the conversion records the modules it was asked for)."""
+    recorded = converted_lora(directory) if directory is not None else None
+    if recorded is None or recorded.modules is None:
+        return str(error)
+    ordered = [m for m in PROJECTIONS if m in recorded.modules]
+    ordered += sorted(set(recorded.modules) - set(PROJECTIONS))
+    chosen = ",".join(module.rpartition(".")[2] for module in ordered)
+    advice = ""
+    if error.module in PROJECTIONS or error.module in FUSED_MODULES:
+        advice = f": add {error.module.rpartition('.')[2]} to --lora-modules to serve this adapter"
+    return f"{error}; the model was converted with LoRA sites only for --lora-modules {chosen}{advice}"
 
 
 def _adapter_base(directory: Path | None) -> AdapterBase:

@@ -8,10 +8,14 @@ import sys
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tokenwire.client import cli as client_cli
 from tokenwire.server import settings_sources
 from tokenwire.server.config import ModelSource, is_gguf_file
+
+if TYPE_CHECKING:
+    from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 
@@ -77,46 +81,108 @@ def _serve(args: argparse.Namespace) -> int:
 
     # GroupQueryAttention on CUDA is half precision only: a GPU gets the float16 export.
     dtype = "float16" if choose_provider(settings.device) == CUDA_PROVIDER else "float32"
+    modules = settings.lora_module_names
     try:
         # Adapters need a graph with LoRA sites: a GGUF file is converted with them then.
-        settings = replace(settings, models=_servable(settings.models, dtype, lora=bool(settings.loras)))
-    except _GgufRefusedError as refused:
+        settings = replace(
+            settings, models=_servable(settings.models, dtype, lora=bool(settings.loras), modules=modules)
+        )
+        if not settings.models:
+            from tokenwire.server.model_tools.pull import known_model, pull_model
+
+            # The names are checked against the model's family before anything is downloaded.
+            lora = _lora_options(known_model(DEFAULT_MODEL).architecture, modules) if settings.loras else None
+            pulled = pull_model(DEFAULT_MODEL, dtype=dtype, lora=lora)
+            settings = replace(settings, models=(ModelSource(pulled, DEFAULT_MODEL),))
+    except _ModelRefusedError as refused:
         print(f"tokenwire serve: {refused}", file=sys.stderr)
         return 2
-    if not settings.models:
-        from tokenwire.server.model_tools.pull import pull_model
-
-        pulled = pull_model(DEFAULT_MODEL, dtype=dtype, lora=bool(settings.loras))
-        default = ModelSource(pulled, DEFAULT_MODEL)
-        settings = replace(settings, models=(default,))
     from tokenwire.server.main import run
 
     return run(settings)
 
 
-class _GgufRefusedError(Exception):
-    """A --model GGUF file that cannot be converted: one line names the file and why."""
+class _ModelRefusedError(Exception):
+    """A --model that cannot be served as asked (a GGUF file that cannot be converted, or module
+    names its family lacks): one line names the flag and why."""
 
 
-def _servable(models: tuple[ModelSource, ...], dtype: str, *, lora: bool) -> tuple[ModelSource, ...]:
+def _servable(
+    models: tuple[ModelSource, ...], dtype: str, *, lora: bool, modules: tuple[str, ...] | None = None
+) -> tuple[ModelSource, ...]:
     """The models with each GGUF file replaced by its converted directory (converted on first
-    use, cached in the user cache), served under the file's name without .gguf."""
+    use, cached in the user cache), served under the file's name without .gguf.
+
+    With `lora`, the files are converted with LoRA sites on `modules` (--lora-modules; None:
+    every projection). Every file's names are checked against its family before any file is
+    converted, so a bad name costs no conversion.
+    """
+    if lora and modules is not None and models and not is_gguf_file(models[0].path):
+        _check_built_sites(models[0].path, modules)
     if not any(is_gguf_file(source.path) for source in models):
         return models
     from tokenwire.server.model_tools.convert import ConversionError
+    from tokenwire.server.model_tools.convert.gguf_source import gguf_architecture
+    from tokenwire.server.model_tools.convert.lora_graph import LoraOptions
     from tokenwire.server.model_tools.pull import converted_gguf
 
-    servable = []
+    planned: list[tuple[ModelSource, LoraOptions | None]] = []
     for source in models:
+        options = None
+        if lora and is_gguf_file(source.path):
+            options = LoraOptions()
+            if modules is not None:
+                try:
+                    architecture = gguf_architecture(source.path)
+                except ConversionError as error:
+                    raise _ModelRefusedError(f"--model: {error}") from None
+                options = _lora_options(architecture, modules)
+        planned.append((source, options))
+    servable = []
+    for source, options in planned:
         if not is_gguf_file(source.path):
             servable.append(source)
             continue
         try:
-            directory = converted_gguf(source.path, progress=sys.stderr.isatty(), dtype=dtype, lora=lora)
+            directory = converted_gguf(source.path, progress=sys.stderr.isatty(), dtype=dtype, lora=options)
         except (ConversionError, OSError) as error:
-            raise _GgufRefusedError(f"--model: {error}") from None
+            raise _ModelRefusedError(f"--model: {error}") from None
         servable.append(ModelSource(directory, source.name or source.path.stem))
     return tuple(servable)
+
+
+def _lora_options(architecture: str, modules: tuple[str, ...] | None) -> LoraOptions:
+    from tokenwire.server.model_tools.convert.lora_graph import lora_options_for
+
+    try:
+        return lora_options_for(architecture, modules)
+    except ValueError as error:
+        raise _ModelRefusedError(f"--lora-modules: {error}") from None
+
+
+def _check_built_sites(directory: Path, modules: tuple[str, ...]) -> None:
+    """Refuse --lora-modules for a model directory unless its graph has those very sites.
+
+    A directory's sites were fixed when it was built; --lora-modules can only choose them for a
+    conversion. A directory converted with the same modules is served as it is (conversion.json
+    records which), so a graph converted for these modules earlier can be given directly.
+    """
+    from tokenwire.server.model_tools.convert.converter import converted_lora
+    from tokenwire.server.model_tools.convert.lora_graph import PROJECTIONS
+
+    recorded = converted_lora(directory)
+    if recorded is not None:
+        wanted = _lora_options(recorded.architecture, modules).modules
+        if set(wanted or PROJECTIONS) == set(recorded.modules or PROJECTIONS):
+            return
+        has = "every projection" if recorded.modules is None else ", ".join(sorted(recorded.modules))
+    else:
+        has = "none recorded"
+    raise _ModelRefusedError(
+        f"--lora-modules: {directory} is a model directory, whose LoRA sites were chosen when it was "
+        f"built (sites: {has}); --lora-modules chooses them only for a GGUF --model or the default "
+        "model: leave it out, or serve the GGUF file"
+    )
 
 
 def _add_pull(commands: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

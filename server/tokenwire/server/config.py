@@ -78,6 +78,27 @@ class LoraSource:
     path: Path
 
 
+ALL_PROJECTIONS = "all"
+"""--lora-modules' default: LoRA sites on every projection."""
+
+
+def lora_module_list(value: str) -> tuple[str, ...]:
+    """The names of a --lora-modules value, comma-separated; blanks between commas are skipped."""
+    return tuple(name.strip() for name in value.split(",") if name.strip())
+
+
+def _lora_modules_problem(value: str) -> str | None:
+    names = lora_module_list(value)
+    if not names:
+        return (
+            f"{value!r} names no module: give projections such as q_proj,v_proj, or "
+            f"{ALL_PROJECTIONS} (every projection, the default)"
+        )
+    if ALL_PROJECTIONS in names and len(names) > 1:
+        return f"{ALL_PROJECTIONS} is every projection already: give it alone, or name projections"
+    return None
+
+
 def is_gguf_file(path: Path) -> bool:
     """A model given as a GGUF file, which `tokenwire serve` converts (once) before it serves it."""
     return path.suffix.lower() == ".gguf" and path.is_file()
@@ -168,6 +189,16 @@ class ServerSettings:
     max_lora_rank: int = setting(
         16, "largest LoRA adapter rank served; sizes the adapter stacks", group=ENGINE, minimum=1
     )
+    lora_modules: str = setting(
+        ALL_PROJECTIONS,
+        "projections that get LoRA sites when --lora converts a GGUF or the default model, "
+        "comma-separated as PEFT's target_modules names them (q_proj,v_proj or self_attn.q_proj); "
+        "adapters may adapt only these, and each site costs every decode step some time "
+        f"({ALL_PROJECTIONS}: every projection)",
+        group=ENGINE,
+        check=_lora_modules_problem,
+        metavar="NAMES",
+    )
     device: Device = setting(
         "auto", "where the model runs; auto picks CUDA when ONNX Runtime has it", group=ENGINE
     )
@@ -251,6 +282,12 @@ class ServerSettings:
         minimum=0.01,
     )
 
+    @property
+    def lora_module_names(self) -> tuple[str, ...] | None:
+        """The projections --lora-modules names; None: every projection."""
+        names = lora_module_list(self.lora_modules)
+        return None if names == (ALL_PROJECTIONS,) else names
+
     def validate(self, *, require_models: bool = True) -> list[str]:
         """Problems with these settings, as messages naming the flag."""
         problems: list[str] = []
@@ -282,6 +319,11 @@ class ServerSettings:
 
     def _lora_problems(self) -> list[str]:
         problems: list[str] = []
+        chosen = self.lora_module_names is not None and _lora_modules_problem(self.lora_modules) is None
+        if chosen and not self.loras:
+            problems.append(
+                "--lora-modules: needs --lora (only a model converted for --lora adapters gets LoRA sites)"
+            )
         if len(self.loras) > self.max_loras:
             problems.append(f"--lora: {len(self.loras)} adapters given, over --max-loras {self.max_loras}")
         seen: set[str] = set()

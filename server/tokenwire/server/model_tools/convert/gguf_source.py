@@ -144,11 +144,7 @@ def read_gguf(path: Path) -> GgufModel:
     before anything is allocated from it. Raises ConversionError naming the key or tensor."""
     gguf = open_gguf(path)
     fields = GgufMetadata(gguf.fields)
-    arch = fields.text("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise UnsupportedModelError(
-            f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+    arch = _architecture(fields)
     family = FAMILIES[arch]
     tensors = {t.name: t for t in gguf.tensors}
     if "token_embd.weight" not in tensors:
@@ -166,6 +162,22 @@ def read_gguf(path: Path) -> GgufModel:
         vocabulary=_read_vocabulary(fields, config.vocab_size),
         tensor_types=counts,
     )
+
+
+def gguf_architecture(path: Path) -> str:
+    """The family of the model in `path` (its general.architecture), read from the header alone,
+    so a choice that depends on it is checked before any conversion work. Raises ConversionError
+    for a file that is no GGUF or of an architecture the converter does not serve."""
+    return _architecture(GgufMetadata(open_gguf(path).fields))
+
+
+def _architecture(fields: GgufMetadata) -> str:
+    arch = fields.text("general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise UnsupportedModelError(
+            f"architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    return arch
 
 
 def _layers_present(tensors: dict[str, GgufTensor]) -> int:

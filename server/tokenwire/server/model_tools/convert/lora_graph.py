@@ -10,16 +10,29 @@ inputs back). A graph built without LoRA options has none of this.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 import onnx
 from onnx import TensorProto, helper
 
-from tokenwire.server.models.adapters import LORA_INDEX, lora_input_name
+from tokenwire.server.model_tools.convert.gguf_source import FAMILIES
+from tokenwire.server.models.adapters import FUSED_MODULES, LORA_INDEX, lora_input_name
 
 # Adds one node: (op type, inputs, node name) -> its output's name.
 AddNode = Callable[[str, list[str], str], str]
+
+PROJECTIONS = (
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+)
+"""The projections of a decoder layer that can take a site, in layer order, as the graph names
+them for every family the converter serves."""
 
 
 @dataclass(frozen=True)
@@ -39,6 +52,67 @@ class LoraOptions:
         """The modules of a fused group that get sites: all of them if any is wanted."""
         group = tuple(modules)
         return group if any(self.wants(m) for m in group) else ()
+
+    @property
+    def label(self) -> str:
+        """The module set in a cache directory's name: `all`, or the projections' own names in
+        layer order joined by '-' (`q_proj-v_proj`). Only sets of PROJECTIONS have a label: the
+        short names are unique among them, not among arbitrary paths."""
+        if self.modules is None:
+            return "all"
+        unknown = sorted(set(self.modules) - set(PROJECTIONS))
+        if unknown:
+            raise ValueError(f"{unknown[0]!r} is not one of the projections {', '.join(PROJECTIONS)}")
+        return "-".join(_short(m) for m in PROJECTIONS if m in self.modules)
+
+
+def module_names(architecture: str) -> dict[str, tuple[str, ...]]:
+    """The names `--lora-modules` takes for a family, each to the graph's modules it stands for.
+
+    These are the names PEFT's target_modules uses: a module's own name (`q_proj`) or its path
+    below the layer (`self_attn.q_proj`). Phi-3's checkpoints fuse Q, K and V (and gate and up)
+    into one module each, so its fused names stand for their parts too.
+    """
+    family = FAMILIES.get(architecture)
+    if family is None:
+        raise ValueError(f"architecture {architecture!r} has no LoRA sites")
+    fused = FUSED_MODULES if family.fused_projections else {}
+    names: dict[str, tuple[str, ...]] = {}
+    for path in PROJECTIONS:
+        for whole, parts in fused.items():
+            if parts[0] == path:
+                names[_short(whole)] = names[whole] = parts
+        names[_short(path)] = names[path] = (path,)
+    return names
+
+
+def lora_options_for(architecture: str, names: Sequence[str] | None) -> LoraOptions:
+    """The options that give a family's graph sites on the modules `names` (None: every projection).
+
+    A set naming every projection is LoraOptions() itself, so its graph is the all-projection
+    one (and shares its cache). Raises ValueError naming an unknown name and the family's names.
+    """
+    if names is None:
+        return LoraOptions()
+    if not names:
+        raise ValueError("names no module")
+    known = module_names(architecture)
+    chosen: set[str] = set()
+    for name in names:
+        if name not in known:
+            shown = ", ".join(n for n in known if "." not in n)
+            raise ValueError(
+                f"{name[:80]!r} is not a projection of {architecture} models: name some of {shown} "
+                "(or their paths below a layer, such as self_attn.q_proj)"
+            )
+        chosen.update(known[name])
+    if chosen == set(PROJECTIONS):
+        return LoraOptions()
+    return LoraOptions(modules=tuple(m for m in PROJECTIONS if m in chosen))
+
+
+def _short(path: str) -> str:
+    return path.rpartition(".")[2]
 
 
 class LoraInputs:
