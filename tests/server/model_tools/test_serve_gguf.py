@@ -5,8 +5,10 @@ server starts, with nothing left in the cache."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +21,18 @@ from tokenwire.client import AsyncClient, GenerateOptions, Sampling, Stopping
 from tokenwire.server import cli
 from tokenwire.server.model_tools.convert import ConversionError
 from tokenwire.server.model_tools.pull import HOME_ENV, converted_gguf
+
+
+@pytest.fixture(autouse=True)
+def _root_logging_restored() -> Iterator[None]:
+    """`cli.main(["serve", ...])` in this process points the root logger at the sys.stderr of
+    the moment, this test's capture, which is closed after it: the handlers go back as they
+    were, so no later test's log line is written to a closed stream."""
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
 
 
 def test_a_gguf_file_is_converted_once_and_again_when_it_changes(
