@@ -144,11 +144,11 @@ def main() -> None:
     args = parser.parse_args()
     names = lora_module_list(args.modules) if args.modules else None
     try:
-        lora = lora_options_for(known_model(DEFAULT_MODEL).architecture, names)
+        sites_on = lora_options_for(known_model(DEFAULT_MODEL).architecture, names)
     except ValueError as error:
         parser.error(f"--modules: {error}")
     plain_dir = pull_model(DEFAULT_MODEL)
-    lora_dir = pull_model(DEFAULT_MODEL, lora=lora)
+    lora_dir = pull_model(DEFAULT_MODEL, lora=sites_on)
     prompts = [benchkit.prompt_ids(plain_dir, 64, offset=i * 7) for i in range(STREAMS)]
     with tempfile.TemporaryDirectory() as work:
         adapter_dirs = write_adapters(lora_dir, Path(work), args.rank, ADAPTERS + 1)
@@ -211,7 +211,7 @@ def main() -> None:
                 loaded = asyncio.run(streams(lora.target, four, [""] * 4, args.new_tokens, during=load))
                 load_gaps["adapter loaded mid-run"].append(max(gaps(loaded)))
     base = statistics.median(steps["plain graph, base"])
-    sites = "every projection" if lora.modules is None else ", ".join(lora.modules)
+    sites = "every projection" if sites_on.modules is None else ", ".join(sites_on.modules)
     print(f"rank {args.rank} on {sites}, {STREAMS} streams, {args.repetitions} repetitions")
     print(
         benchkit.markdown_table(
@@ -233,13 +233,13 @@ def main() -> None:
     )
     print(f"LoadAdapter call: median {statistics.median(load_seconds) * 1e3:.0f} ms")
     benchkit.save_results(
-        "lora_serving",
+        "lora_serving" if sites_on.modules is None else "lora_serving_" + "_".join(sorted(sites_on.modules)),
         {
             "steps": steps,
             "load_gaps": load_gaps,
             "load_seconds": load_seconds,
             "rank": args.rank,
-            "modules": "all" if lora.modules is None else list(lora.modules),
+            "modules": "all" if sites_on.modules is None else list(sites_on.modules),
         },
     )
 
