@@ -37,8 +37,8 @@ def quantize(source: Path, target: Path, kind: str) -> None:
         raise SystemExit(f"quantizing to {kind} failed: {status}")
 
 
-def run(path: Path, prompt: list[int], steps: int, sequence: list[int], text: str) -> dict[str, object]:
-    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, logits_all=True, verbose=False)
+def greedy(llm: llama_cpp.Llama, prompt: list[int], steps: int) -> tuple[list[int], list[float]]:
+    """llama.cpp's greedy tokens after `prompt`, and its top-2 logit gap at each step."""
     llm.reset()
     llm.eval(prompt)
     tokens, gaps = [], []
@@ -48,6 +48,12 @@ def run(path: Path, prompt: list[int], steps: int, sequence: list[int], text: st
         tokens.append(int(top[1]))
         gaps.append(float(row[top[1]] - row[top[0]]))
         llm.eval([int(top[1])])
+    return tokens, gaps
+
+
+def run(path: Path, prompt: list[int], steps: int, sequence: list[int], text: str) -> dict[str, object]:
+    llm = llama_cpp.Llama(str(path), n_ctx=128, n_threads=2, logits_all=True, verbose=False)
+    tokens, gaps = greedy(llm, prompt, steps)
     llm.reset()
     llm.eval(sequence)
     logits = np.asarray(llm.scores[: len(sequence)], dtype=np.float32)

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.server.model_tools.llamacpp_tools import llamacpp_source, llamacpp_tools
+
 REPO = Path(__file__).resolve().parents[3]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 QUANTIZED = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS")
@@ -33,14 +35,7 @@ pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(3600)]
 
 @pytest.fixture(scope="session")
 def tools() -> Path:
-    result = subprocess.run(
-        ["bash", str(REPO / "scripts" / "llamacpp-tools")],
-        check=True,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    return Path(result.stdout.strip().splitlines()[-1])
+    return llamacpp_tools()
 
 
 def _env() -> dict[str, str]:
@@ -56,7 +51,7 @@ def family_work(
     """run.py's work directory for one family, after it ran; its rows are in results.json."""
     work = tmp_path_factory.mktemp(request.param)
     out = work / "results.json"
-    source = next((tools / "sdist").glob("llama_cpp_python-*/vendor/llama.cpp"))
+    source = llamacpp_source(tools)
     subprocess.run(
         [
             sys.executable,
