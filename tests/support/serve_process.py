@@ -7,6 +7,11 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
+from tokenwire.v1 import inference_service_pb2 as pb
+from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
+
 
 @dataclass(frozen=True)
 class ServeProcess:
@@ -113,3 +118,19 @@ def ended(process: subprocess.Popen[str], timeout: float = 30) -> None:
     except subprocess.TimeoutExpired:
         process.kill()
         process.wait()
+
+
+def greedy_token_ids(port: int, prompt: list[int], *, new_tokens: int, adapter: str = "") -> list[int]:
+    """The served model's greedy tokens after the token ids `prompt` (end-of-sequence ignored, so
+    exactly `new_tokens`), with `adapter` or the base model, through a plain Generate call."""
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        response = pb_grpc.InferenceServiceStub(channel).Generate(
+            pb.GenerateRequest(
+                token_ids=pb.TokenIds(ids=prompt),
+                sampling=pb.SamplingParams(temperature=0.0),
+                stopping=pb.StoppingCriteria(max_new_tokens=new_tokens, ignore_eos=True),
+                adapter=adapter,
+            ),
+            timeout=120,
+        )
+    return list(response.token_ids)

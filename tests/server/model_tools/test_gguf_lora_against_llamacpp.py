@@ -17,16 +17,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 import transformers
 
 from tests.server.model_tools.hf_twins import make_peft_adapter
 from tests.server.model_tools.llamacpp_tools import REPO, llamacpp_source, llamacpp_tools
-from tests.support.serve_process import ended, start_serve
+from tests.support.serve_process import ended, greedy_token_ids, start_serve
 from tokenwire.server.model_tools.pull import HOME_ENV
-from tokenwire.v1 import inference_service_pb2 as pb
-from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
 pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(3600)]
 
@@ -115,20 +112,6 @@ def _llamacpp_greedy(
     return answer
 
 
-def _tokenwire_greedy(port: int, prompt: list[int], adapter: str) -> list[int]:
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        response = pb_grpc.InferenceServiceStub(channel).Generate(
-            pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=prompt),
-                sampling=pb.SamplingParams(temperature=0.0),
-                stopping=pb.StoppingCriteria(max_new_tokens=STEPS, ignore_eos=True),
-                adapter=adapter,
-            ),
-            timeout=120,
-        )
-    return list(response.token_ids)
-
-
 @pytest.mark.parametrize("targets", list(ADAPTERS))
 def test_a_gguf_adapter_gives_llama_cpp_s_tokens_on_the_same_base_file(
     targets: str,
@@ -150,8 +133,8 @@ def test_a_gguf_adapter_gives_llama_cpp_s_tokens_on_the_same_base_file(
     served = start_serve("--model", str(gguf), "--lora", f"a={adapter}", "--no-metrics", *flags)
     try:
         ours = {
-            "adapter": _tokenwire_greedy(served.port, prompt, "a"),
-            "base": _tokenwire_greedy(served.port, prompt, ""),
+            "adapter": greedy_token_ids(served.port, prompt, new_tokens=STEPS, adapter="a"),
+            "base": greedy_token_ids(served.port, prompt, new_tokens=STEPS),
         }
     finally:
         ended(served.process)

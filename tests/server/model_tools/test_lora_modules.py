@@ -14,13 +14,12 @@ import json
 import shutil
 from pathlib import Path
 
-import grpc
 import onnxruntime as ort
 import pytest
 
 from tests.server.model_tools.synthetic_gguf import SyntheticGguf
 from tests.server.model_tools.synthetic_gguf_lora import write_gguf_lora
-from tests.support.serve_process import ServeProcess, ended, serve_refused, start_serve
+from tests.support.serve_process import ended, greedy_token_ids, serve_refused, start_serve
 from tokenwire.server import cli
 from tokenwire.server.config import ModelSource
 from tokenwire.server.model_tools.convert import convert_gguf
@@ -32,8 +31,6 @@ from tokenwire.server.model_tools.convert.lora_graph import (
 )
 from tokenwire.server.model_tools.pull import HOME_ENV, converted_gguf
 from tokenwire.server.models.adapters import LoraLayout
-from tokenwire.v1 import inference_service_pb2 as pb
-from tokenwire.v1 import inference_service_pb2_grpc as pb_grpc
 
 Q_V = ("self_attn.q_proj", "self_attn.v_proj")
 LLAMA_NAMES = "q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj"
@@ -157,20 +154,6 @@ def in_home(home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return home
 
 
-def _greedy(served: ServeProcess, prompt: list[int], adapter: str) -> list[int]:
-    with grpc.insecure_channel(f"127.0.0.1:{served.port}") as channel:
-        response = pb_grpc.InferenceServiceStub(channel).Generate(
-            pb.GenerateRequest(
-                token_ids=pb.TokenIds(ids=prompt),
-                sampling=pb.SamplingParams(temperature=0.0),
-                stopping=pb.StoppingCriteria(max_new_tokens=8, ignore_eos=True),
-                adapter=adapter,
-            ),
-            timeout=60,
-        )
-    return list(response.token_ids)
-
-
 def test_an_adapter_on_the_chosen_modules_gives_the_all_projection_graph_s_tokens(
     in_home: Path, mixed_gguf: SyntheticGguf, adapters: dict[str, Path]
 ) -> None:
@@ -181,8 +164,12 @@ def test_an_adapter_on_the_chosen_modules_gives_the_all_projection_graph_s_token
             "--model", str(mixed_gguf.path), "--lora", f"a={adapters['qv']}", "--no-metrics", *flags
         )
         try:
-            tokens[name] = [_greedy(served, prompt, "a") for prompt in prompts]
-            tokens[f"{name} base"] = [_greedy(served, prompt, "") for prompt in prompts]
+            tokens[name] = [
+                greedy_token_ids(served.port, prompt, new_tokens=8, adapter="a") for prompt in prompts
+            ]
+            tokens[f"{name} base"] = [
+                greedy_token_ids(served.port, prompt, new_tokens=8) for prompt in prompts
+            ]
         finally:
             ended(served.process)
     # The extra sites of the all-projection graph carry a zero delta: the same greedy tokens.
