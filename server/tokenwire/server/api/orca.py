@@ -27,6 +27,7 @@ from google.protobuf.message import Message
 
 from tokenwire.server.api import errors
 from tokenwire.server.api.decoding import UndecodableRequest, tolerant
+from tokenwire.server.api.method_handlers import Streaming, Unary, rewrapped
 from tokenwire.server.api.orca_messages import SERVICE_NAME, OrcaLoadReport, OrcaLoadReportRequest
 from tokenwire.server.engine.errors import FieldViolation, GenerationError
 from tokenwire.server.load import LoadSnapshot, LoadTracker
@@ -114,27 +115,9 @@ class LoadReportTrailers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         handler = await continuation(details)
         if handler is None or details.method not in self._methods:
             return handler
-        if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                self._unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                self._streaming(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                self._streaming(handler.stream_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return handler
+        return rewrapped(handler, unary=self._unary, streaming=self._streaming)
 
-    def _unary(self, behavior: Callable[[Any, Any], Awaitable[Any]]) -> Callable[[Any, Any], Awaitable[Any]]:
+    def _unary(self, behavior: Unary) -> Unary:
         async def with_trailer(request: Any, context: grpc.aio.ServicerContext) -> Any:
             response = await behavior(request, context)
             self._add_trailer(context)
@@ -142,9 +125,7 @@ class LoadReportTrailers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
         return with_trailer
 
-    def _streaming(
-        self, behavior: Callable[[Any, Any], AsyncGenerator[Any, None]]
-    ) -> Callable[[Any, Any], AsyncGenerator[Any, None]]:
+    def _streaming(self, behavior: Streaming) -> Streaming:
         async def with_trailer(requests: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
             responses = behavior(requests, context)
             try:
