@@ -376,7 +376,9 @@ async def test_two_million_empty_chat_messages_are_refused_small_and_cheap(
         assert refusal.code is grpc.StatusCode.INVALID_ARGUMENT
         assert refusal.size < SMALL_ERROR_BYTES
         assert refusal.fields() == ["messages"]
-    assert measured.rss_growth < 200 * MIB
+    # One request decoded at a time (about 36 MB for half a million empty turns): each refused
+    # call lets go of its request as it ends (api/aborts.py), so refusals do not pile up.
+    assert measured.rss_growth < 128 * MIB
 
 
 async def test_a_stream_that_never_reads_is_stopped_and_holds_bounded_memory(

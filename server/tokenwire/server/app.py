@@ -14,6 +14,7 @@ from opentelemetry.sdk.trace.export import SpanExporter
 
 from tokenwire.server.adapter_loading import RuntimeAdapters, load_adapters
 from tokenwire.server.api import errors
+from tokenwire.server.api.aborts import AbortsReleaseTheirFrames
 from tokenwire.server.api.adapter_admin import (
     ADAPTER_ADMIN_SERVICE,
     AdapterAdminServicer,
@@ -203,7 +204,8 @@ class TokenwireServer:
         return await self._http.start()
 
     def _listen(self, settings: ServerSettings) -> int:
-        interceptors: list[grpc.aio.ServerInterceptor] = []
+        # First, so it is outermost: every handler's abort, a refusal by the others included.
+        interceptors: list[grpc.aio.ServerInterceptor] = [AbortsReleaseTheirFrames()]
         if settings.auth.enabled:
             interceptors.append(
                 BearerTokenInterceptor(

@@ -243,9 +243,7 @@ class Admission:
             )
         except GenerationError as error:
             # Every refusal names its fields in the edge's own terms, whichever step refused it.
-            named = message.name_fields(error)
-            record.refused(named)
-            raise named from None
+            raise _recorded_refusal(record, message.name_fields(error)) from None
         except asyncio.CancelledError:  # the call went away while its request was being validated
             record.left(AbortReason.DISCONNECTED, reached_engine=False)
             raise
@@ -257,6 +255,14 @@ class Admission:
         except GenerationError:
             return None
         return served.validator.tool_calling(spec)
+
+
+def _recorded_refusal(record: RequestRecord, error: GenerationError) -> GenerationError:
+    """`error`, written to the request's record as its refusal. Raised straight from this call:
+    a local of the raising frame naming it would make that frame and the error's traceback hold
+    each other, and with them the decoded request, until the cyclic collector ran."""
+    record.refused(error)
+    return error
 
 
 def _leaving(stop: Callable[[AbortReason], None], record: RequestRecord) -> Callable[[AbortReason], None]:
