@@ -40,6 +40,7 @@ OUTSIDE_THE_LAYERS = {
     "load",
     "main",
     "metadata",
+    "method_handlers",
     "observers",
     "settings_schema",
     "settings_sources",

@@ -15,19 +15,17 @@ now with no frame of ours in its traceback, so everything the call held is freed
 
 from __future__ import annotations
 
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator
 from typing import Any
 
 import grpc
 
-from tokenwire.server.api.method_handlers import Streaming, Unary, rewrapped
+from tokenwire.server.method_handlers import Continuation, Streaming, Unary, rewrapped
 
 
 class AbortsReleaseTheirFrames(grpc.aio.ServerInterceptor):  # type: ignore[misc]
     async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+        self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None:

@@ -18,7 +18,7 @@ The report: `application_utilization` is the engines' occupancy, (running + queu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
 import grpc
@@ -27,10 +27,10 @@ from google.protobuf.message import Message
 
 from tokenwire.server.api import errors
 from tokenwire.server.api.decoding import UndecodableRequest, tolerant
-from tokenwire.server.api.method_handlers import Streaming, Unary, rewrapped
 from tokenwire.server.api.orca_messages import SERVICE_NAME, OrcaLoadReport, OrcaLoadReportRequest
 from tokenwire.server.engine.errors import FieldViolation, GenerationError
 from tokenwire.server.load import LoadSnapshot, LoadTracker
+from tokenwire.server.method_handlers import Continuation, Streaming, Unary, rewrapped
 
 ORCA_SERVICE = SERVICE_NAME
 TRAILER = "endpoint-load-metrics-bin"
@@ -108,9 +108,7 @@ class LoadReportTrailers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._methods = methods
 
     async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+        self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         if handler is None or details.method not in self._methods:

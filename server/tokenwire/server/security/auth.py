@@ -25,6 +25,7 @@ import grpc
 from tokenwire.server.engine.errors import ErrorKind, GenerationError
 from tokenwire.server.engine.types import Caller
 from tokenwire.server.metadata import Metadata
+from tokenwire.server.method_handlers import Continuation
 from tokenwire.server.security.callers import TokenLineError, default_name, parse_token_line
 
 AUTH_TOKENS_ENV = "TOKENWIRE_AUTH_TOKENS"
@@ -110,9 +111,7 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):  # type: ignore[misc]
         self._on_refused = on_refused
 
     async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
+        self, continuation: Continuation, details: grpc.HandlerCallDetails
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(details)
         method: str = details.method

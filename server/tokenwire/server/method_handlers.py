@@ -8,6 +8,8 @@ from typing import Any
 
 import grpc
 
+Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]]
+"""What an interceptor calls for the handler the rest of the chain gives a call."""
 Unary = Callable[[Any, Any], Awaitable[Any]]
 """A behaviour that answers once: unary-unary or stream-unary."""
 Streaming = Callable[[Any, Any], AsyncGenerator[Any, None]]
