@@ -233,7 +233,7 @@ def main() -> None:
     )
     print(f"LoadAdapter call: median {statistics.median(load_seconds) * 1e3:.0f} ms")
     benchkit.save_results(
-        "lora_serving" if sites_on.modules is None else "lora_serving_" + "_".join(sorted(sites_on.modules)),
+        "lora_serving" if sites_on.modules is None else f"lora_serving_{sites_on.label}",
         {
             "steps": steps,
             "load_gaps": load_gaps,

@@ -25,7 +25,7 @@ from tokenwire.server.api.registry import ModelRegistry, ServedAdapter, ServedMo
 from tokenwire.server.config import ADAPTER_NAME, LoraSource
 from tokenwire.server.engine.errors import ErrorKind, FieldViolation, GenerationError
 from tokenwire.server.model_tools.convert.converter import converted_lora
-from tokenwire.server.model_tools.convert.lora_graph import PROJECTIONS
+from tokenwire.server.model_tools.convert.lora_graph import PROJECTIONS, short_name, short_names
 from tokenwire.server.model_tools.lora import AdapterBase, read_adapter
 from tokenwire.server.models.adapters import FUSED_MODULES, AdapterError, AdapterStacks, UnsitedModuleError
 from tokenwire.server.models.loader import LoadedModel
@@ -67,12 +67,10 @@ def _with_chosen_sites(error: UnsitedModuleError, directory: Path | None) -> str
     recorded = converted_lora(directory) if directory is not None else None
     if recorded is None or recorded.modules is None:
         return str(error)
-    ordered = [m for m in PROJECTIONS if m in recorded.modules]
-    ordered += sorted(set(recorded.modules) - set(PROJECTIONS))
-    chosen = ",".join(module.rpartition(".")[2] for module in ordered)
+    chosen = ",".join(short_names(recorded.modules))
     advice = ""
     if error.module in PROJECTIONS or error.module in FUSED_MODULES:
-        advice = f": add {error.module.rpartition('.')[2]} to --lora-modules to serve this adapter"
+        advice = f": add {short_name(error.module)} to --lora-modules to serve this adapter"
     return f"{error}; the model was converted with LoRA sites only for --lora-modules {chosen}{advice}"
 
 

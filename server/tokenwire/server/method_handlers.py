@@ -13,7 +13,9 @@ Continuation = Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandl
 Unary = Callable[[Any, Any], Awaitable[Any]]
 """A behaviour that answers once: unary-unary or stream-unary."""
 Streaming = Callable[[Any, Any], AsyncGenerator[Any, None]]
-"""A behaviour that answers with a stream: unary-stream or stream-stream."""
+"""A behaviour that answers with a stream: unary-stream or stream-stream. A wrapper closes it
+with `contextlib.aclosing`: closed early (the call ended), the servicer's own cleanup must run
+then, not whenever the garbage collector finalizes its generator, since it aborts generations."""
 
 
 def rewrapped(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 from pathlib import Path
 
@@ -24,3 +25,10 @@ def llamacpp_tools() -> Path:
 def llamacpp_source(tools: Path) -> Path:
     """llama.cpp's source tree in the tools' source distribution (its Python converters)."""
     return next((tools / "sdist").glob("llama_cpp_python-*/vendor/llama.cpp"))
+
+
+def repo_env() -> dict[str, str]:
+    """This environment with the checkout's packages first on PYTHONPATH, for the scripts of
+    benchmarks/gguf_families that the tests run in a child process."""
+    paths = [str(REPO / "server"), str(REPO / "client"), str(REPO)]
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(paths))

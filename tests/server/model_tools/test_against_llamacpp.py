@@ -9,16 +9,14 @@ build llama.cpp and torch, which a default run cannot afford.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from tests.server.model_tools.llamacpp_tools import llamacpp_source, llamacpp_tools
+from tests.server.model_tools.llamacpp_tools import REPO, llamacpp_source, llamacpp_tools, repo_env
 
-REPO = Path(__file__).resolve().parents[3]
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 QUANTIZED = ("Q8_0", "Q6_K", "Q5_K_M", "Q4_K_M", "Q3_K_M", "Q2_K", "IQ4_NL", "IQ4_XS")
 STEPS = 32
@@ -36,12 +34,6 @@ pytestmark = [pytest.mark.llamacpp, pytest.mark.timeout(3600)]
 @pytest.fixture(scope="session")
 def tools() -> Path:
     return llamacpp_tools()
-
-
-def _env() -> dict[str, str]:
-    return dict(
-        os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "server"), str(REPO / "client"), str(REPO)])
-    )
 
 
 @pytest.fixture(scope="session", params=FAMILIES)
@@ -70,7 +62,7 @@ def family_work(
             str(out),
         ],
         check=True,
-        env=_env(),
+        env=repo_env(),
         timeout=1800,
     )
     return request.param, work
@@ -128,7 +120,7 @@ def test_window_metadata_the_export_leaves_out_gives_transformers_exactly(
             str(out),
         ],
         check=True,
-        env=_env(),
+        env=repo_env(),
         timeout=600,
     )
     (row,) = [json.loads(line) for line in out.read_text().splitlines()]

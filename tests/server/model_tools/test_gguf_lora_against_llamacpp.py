@@ -11,7 +11,6 @@ file itself; llama.cpp loads both files with its own code. Marked `llamacpp` (co
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ import pytest
 import transformers
 
 from tests.server.model_tools.hf_twins import make_peft_adapter
-from tests.server.model_tools.llamacpp_tools import REPO, llamacpp_source, llamacpp_tools
+from tests.server.model_tools.llamacpp_tools import REPO, llamacpp_source, llamacpp_tools, repo_env
 from tests.support.serve_process import ended, greedy_token_ids, start_serve
 from tokenwire.server.model_tools.pull import HOME_ENV
 
@@ -60,9 +59,7 @@ def base(tools: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, l
             *("--work", str(work), "--families", "llama", "--types", "F32", "--out", str(work / "rows.json")),
         ],
         check=True,
-        env=dict(
-            os.environ, PYTHONPATH=os.pathsep.join([str(REPO / "server"), str(REPO / "client"), str(REPO)])
-        ),
+        env=repo_env(),
         timeout=1800,
     )
     model_dir = work / "llama"

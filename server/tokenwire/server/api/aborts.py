@@ -15,6 +15,7 @@ now with no frame of ours in its traceback, so everything the call held is freed
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncGenerator
 from typing import Any
 
@@ -46,16 +47,12 @@ def _unary(behavior: Unary) -> Unary:
 
 def _streaming(behavior: Streaming) -> Streaming:
     async def releasing(requests: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
-        responses = behavior(requests, context)
         try:
-            async for response in responses:
-                yield response
+            async with contextlib.aclosing(behavior(requests, context)) as responses:  # see Streaming
+                async for response in responses:
+                    yield response
         except grpc.aio.AbortError as aborted:
             _forget_frames(aborted)
-        finally:
-            # Closed early (the call ended), the servicer's own cleanup must run now, not
-            # whenever the garbage collector finalizes its generator: it aborts generations.
-            await responses.aclose()
 
     return releasing
 

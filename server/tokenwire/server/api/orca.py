@@ -18,6 +18,7 @@ The report: `application_utilization` is the engines' occupancy, (running + queu
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
 
@@ -125,14 +126,9 @@ class LoadReportTrailers(grpc.aio.ServerInterceptor):  # type: ignore[misc]
 
     def _streaming(self, behavior: Streaming) -> Streaming:
         async def with_trailer(requests: Any, context: grpc.aio.ServicerContext) -> AsyncGenerator[Any, None]:
-            responses = behavior(requests, context)
-            try:
+            async with contextlib.aclosing(behavior(requests, context)) as responses:  # see Streaming
                 async for response in responses:
                     yield response
-            finally:
-                # Closed early (the call ended), the servicer's own cleanup must run now, not
-                # whenever the garbage collector finalizes its generator: it aborts generations.
-                await responses.aclose()
             self._add_trailer(context)
 
         return with_trailer

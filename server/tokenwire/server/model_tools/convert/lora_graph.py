@@ -63,7 +63,7 @@ class LoraOptions:
         unknown = sorted(set(self.modules) - set(PROJECTIONS))
         if unknown:
             raise ValueError(f"{unknown[0]!r} is not one of the projections {', '.join(PROJECTIONS)}")
-        return "-".join(_short(m) for m in PROJECTIONS if m in self.modules)
+        return "-".join(short_names(self.modules))
 
 
 def module_names(architecture: str) -> dict[str, tuple[str, ...]]:
@@ -81,8 +81,8 @@ def module_names(architecture: str) -> dict[str, tuple[str, ...]]:
     for path in PROJECTIONS:
         for whole, parts in fused.items():
             if parts[0] == path:
-                names[_short(whole)] = names[whole] = parts
-        names[_short(path)] = names[path] = (path,)
+                names[short_name(whole)] = names[whole] = parts
+        names[short_name(path)] = names[path] = (path,)
     return names
 
 
@@ -111,8 +111,16 @@ def lora_options_for(architecture: str, names: Sequence[str] | None) -> LoraOpti
     return LoraOptions(modules=tuple(m for m in PROJECTIONS if m in chosen))
 
 
-def _short(path: str) -> str:
+def short_name(path: str) -> str:
+    """A module's own name, as PEFT's target_modules gives it: `q_proj` for `self_attn.q_proj`."""
     return path.rpartition(".")[2]
+
+
+def short_names(modules: Iterable[str]) -> tuple[str, ...]:
+    """`modules`' own names, the projections in layer order, then any others in name order."""
+    chosen = set(modules)
+    ordered = [m for m in PROJECTIONS if m in chosen] + sorted(chosen - set(PROJECTIONS))
+    return tuple(short_name(m) for m in ordered)
 
 
 class LoraInputs:
